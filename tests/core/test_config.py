@@ -1,0 +1,96 @@
+"""Settings precedence (CLI > env > file > defaults), provenance, and clear errors."""
+
+import pytest
+
+from ddiloco_geo import config
+from ddiloco_geo.errors import ConfigError
+
+
+def write_toml(tmp_path, text):
+    path = tmp_path / "ddiloco.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_match_the_design_numbers():
+    settings, origin = config.load(environ={})
+    assert settings.fragments.num_fragments == 24
+    assert settings.fragments.sync_every == 24
+    assert settings.fragments.overlap == 2
+    assert settings.syncer.quorum == 1
+    assert settings.syncer.outer_lr == 0.7
+    assert settings.syncer.outer_momentum == 0.9
+    assert settings.learner.codec == "int4"
+    assert settings.storage.url.startswith("file://")
+    assert origin == {}
+
+
+def test_precedence_cli_over_env_over_file_over_default(tmp_path):
+    toml = write_toml(tmp_path, "[syncer]\nquorum = 2\nouter_lr = 0.5\npoll_s = 0.3\n[local]\nlearners = 4\n")
+    env = {"DDILOCO_SYNCER__QUORUM": "3", "DDILOCO_SYNCER__OUTER_LR": "0.4"}
+    settings, origin = config.load(cli={"syncer": {"quorum": 4}}, config_file=toml, environ=env)
+    assert settings.syncer.quorum == 4 and origin["syncer.quorum"] == "cli"
+    assert settings.syncer.outer_lr == 0.4 and origin["syncer.outer_lr"] == "env"
+    assert settings.syncer.poll_s == 0.3 and origin["syncer.poll_s"] == "file"
+    assert settings.syncer.outer_momentum == 0.9 and "syncer.outer_momentum" not in origin
+
+
+def test_config_file_from_environment_variable(tmp_path):
+    toml = write_toml(tmp_path, 'run_id = "from-file"\n')
+    settings, origin = config.load(environ={"DDILOCO_CONFIG": str(toml)})
+    assert settings.run_id == "from-file" and origin["run_id"] == "file"
+
+
+def test_env_lists_are_parsed_as_json():
+    settings, _ = config.load(environ={"DDILOCO_MODEL__EMBEDDING_PATTERNS": '["tok", "head"]'})
+    assert settings.model.embedding_patterns == ["tok", "head"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"cli": {"syncer": {"quorom": 2}}}, "syncer.quorom"),
+        ({"environ": {"DDILOCO_SYNCER__QUORUM": "0"}}, "DDILOCO_SYNCER__QUORUM"),
+        ({"cli": {"learner": {"codec": "int3"}}}, "learner.codec"),
+        ({"cli": {"syncer": {"shard": "3/2"}}}, "0 <= i < N"),
+        ({"cli": {"data": {"shard": "x"}}}, "i/N"),
+        ({"cli": {"syncer": {"quorum": 5}, "local": {"learners": 2}}}, "lower the quorum"),
+    ],
+)
+def test_invalid_values_are_rejected_with_a_fix(kwargs, needle):
+    kwargs.setdefault("environ", {})
+    with pytest.raises(ConfigError) as exc:
+        config.load(**kwargs)
+    assert needle in str(exc.value)
+
+
+def test_unknown_key_names_its_source_and_the_fix(tmp_path):
+    toml = write_toml(tmp_path, "[syncer]\nbogus = 1\n")
+    with pytest.raises(ConfigError) as exc:
+        config.load(config_file=toml, environ={})
+    assert "syncer.bogus (from file" in str(exc.value)
+    assert "config --show" in str(exc.value)
+
+
+def test_bad_toml_and_missing_file_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        config.load(config_file=tmp_path / "nope.toml", environ={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(config_file=write_toml(tmp_path, "[syncer\n"), environ={})
+
+
+def test_json_settings_file_round_trips(tmp_path):
+    settings, _ = config.load(cli={"run_id": "abc", "syncer": {"quorum": 2}, "local": {"learners": 3}}, environ={})
+    path = tmp_path / "settings.json"
+    path.write_text(settings.model_dump_json())
+    again, origin = config.load(config_file=path, environ={})
+    assert again == settings
+    assert origin["syncer.quorum"] == "file"
+
+
+def test_explain_lists_every_leaf_with_its_source():
+    settings, origin = config.load(cli={"syncer": {"quorum": 2}, "local": {"learners": 3}}, environ={})
+    rows = {r["key"]: r for r in config.explain(settings, origin)}
+    assert rows["syncer.quorum"] == {"key": "syncer.quorum", "value": 2, "source": "cli"}
+    assert rows["storage.url"]["source"] == "default"
+    assert len(rows) > 40

@@ -1,0 +1,176 @@
+"""Corpora, the held-out split, shard readers and deterministic evaluation."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ddiloco_geo.config import ModelConfig
+from ddiloco_geo.data import ShardReader, eval_batches, evaluate, load_corpus, shard_bounds, split
+from ddiloco_geo.errors import ConfigError
+from ddiloco_geo.model import build_model
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    return load_corpus("shakespeare")
+
+
+def test_shakespeare_is_real_english_without_markdown_breaks(shakespeare):
+    assert len(shakespeare) > 1_000_000
+    assert b"ROMEO" in shakespeare and b"Hamlet" in shakespeare
+    assert b"  \n" not in shakespeare
+    shakespeare.decode("utf-8")
+
+
+def test_max_bytes_caps_the_corpus():
+    assert len(load_corpus("shakespeare", max_bytes=5000)) == 5000
+
+
+def test_stdlib_corpus_loads():
+    text = load_corpus("stdlib", max_bytes=300_000)
+    assert len(text) == 300_000
+    assert b"def " in text and b"import " in text
+
+
+def _write_docs(tmp_path):
+    (tmp_path / "b.txt").write_bytes(b"second document")
+    (tmp_path / "a.txt").write_bytes(b"first document\n")
+    (tmp_path / "skip.md").write_bytes(b"not matched")
+
+
+def test_file_url_glob_reads_sorted_documents(tmp_path):
+    _write_docs(tmp_path)
+    assert load_corpus(f"file://{tmp_path}/*.txt") == b"first document\nsecond document\n"
+
+
+def test_memory_bucket_glob():
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe({"/ddiloco-test-corpus/x/1.txt": b"one", "/ddiloco-test-corpus/x/2.txt": b"two"})
+    try:
+        assert load_corpus("memory://ddiloco-test-corpus/x/*.txt") == b"one\ntwo\n"
+    finally:
+        fs.rm("/ddiloco-test-corpus", recursive=True)
+
+
+def test_local_glob_and_custom_opener(tmp_path):
+    _write_docs(tmp_path)
+    assert load_corpus(str(tmp_path / "*.txt")) == b"first document\nsecond document\n"
+    calls = []
+
+    def open_url(url, **options):
+        import fsspec
+
+        calls.append((url, options))
+        return fsspec.open_files(url, mode="rb")
+
+    load_corpus(f"file://{tmp_path}/*.txt", open_url=open_url, anon=True)
+    assert calls == [(f"file://{tmp_path}/*.txt", {"anon": True})]
+
+
+def test_glob_matching_nothing_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="matches no"):
+        load_corpus(str(tmp_path / "*.txt"))
+    with pytest.raises(ConfigError, match="matches no"):
+        load_corpus(f"file://{tmp_path}/*.txt")
+
+
+def test_split_holds_out_the_tail():
+    corpus = bytes(range(256)) * 4
+    train, held = split(corpus, 0.25)
+    assert train.dtype == np.uint8 and len(train) == 768 and len(held) == 256
+    assert bytes(train) + bytes(held) == corpus
+    with pytest.raises(ValueError):
+        split(corpus, 0.0)
+
+
+@pytest.mark.parametrize("num_shards", [1, 3, 7])
+def test_shards_are_disjoint_and_cover_the_training_bytes(num_shards):
+    n = 10_001
+    bounds = [shard_bounds(n, i, num_shards) for i in range(num_shards)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    # every window a reader produces lies inside its own shard
+    positions = np.arange(n)  # "bytes" that say where they come from
+    for i, (lo, hi) in enumerate(bounds):
+        reader = ShardReader(positions, i, num_shards, block_size=16, batch_size=4, seed=0)
+        for _ in range(50):
+            x, y, _ = reader.next_batch()
+            assert x.min() >= lo and y.max() < hi
+            assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_batches_and_token_counts_are_exact(shakespeare):
+    train, _ = split(shakespeare[:200_000], 0.02)
+    reader = ShardReader(train, 1, 4, block_size=32, batch_size=5, seed=0)
+    total = 0
+    for _ in range(10):
+        x, y, num_tokens = reader.next_batch()
+        assert x.shape == y.shape == (5, 32) and x.dtype == y.dtype == torch.int64
+        assert num_tokens == 5 * 32
+        total += num_tokens
+    assert reader.state_dict()["tokens_seen"] == total
+
+
+def test_epochs_visit_every_window_once_then_reshuffle():
+    train = np.arange(1000, dtype=np.int64)
+    reader = ShardReader(train, 0, 1, block_size=10, batch_size=1, seed=5)
+    first_epoch = []
+    while reader.epoch == 0:
+        first_epoch.append(int(reader.next_batch()[0][0, 0]))
+    assert len(first_epoch) == len(set(first_epoch))
+    assert len({s % 10 for s in first_epoch}) == 1  # one window grid per epoch
+
+
+def test_state_dict_round_trip_continues_the_same_batches():
+    train = np.frombuffer(bytes(range(256)) * 40, dtype=np.uint8)
+    reader = ShardReader(train, 0, 2, block_size=16, batch_size=7, seed=3)
+    for _ in range(13):  # crosses an epoch boundary (~320 windows / 7)
+        reader.next_batch()
+    cursor = json.loads(json.dumps(reader.state_dict()))
+    expected = [reader.next_batch() for _ in range(60)]
+
+    resumed = ShardReader(train, 0, 2, block_size=16, batch_size=7, seed=3)
+    resumed.load_state_dict(cursor)
+    for x, y, n in expected:
+        rx, ry, rn = resumed.next_batch()
+        assert torch.equal(x, rx) and torch.equal(y, ry) and n == rn
+    assert resumed.state_dict() == reader.state_dict()
+    assert reader.epoch >= 1
+
+    other = ShardReader(train, 1, 2, block_size=16, batch_size=7, seed=3)
+    with pytest.raises(ValueError, match="shard"):
+        other.load_state_dict(cursor)
+
+
+def test_different_seeds_and_shards_give_different_orders():
+    train = np.frombuffer(bytes(range(256)) * 40, dtype=np.uint8)
+    a = ShardReader(train, 0, 1, 16, 4, seed=0).next_batch()[0]
+    b = ShardReader(train, 0, 1, 16, 4, seed=1).next_batch()[0]
+    assert not torch.equal(a, b)
+
+
+def test_tiny_shard_is_a_clear_error():
+    with pytest.raises(ValueError, match="fewer learners"):
+        ShardReader(np.zeros(100, dtype=np.uint8), 0, 4, block_size=16, batch_size=2, seed=0)
+
+
+def test_evaluation_is_deterministic_and_restores_mode(shakespeare):
+    _, held = split(shakespeare[:100_000], 0.1)
+    batches = eval_batches(held, block_size=32, batch_size=4, num_batches=3)
+    again = eval_batches(held, block_size=32, batch_size=4, num_batches=3)
+    assert len(batches) == 3
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again))
+    model = build_model(ModelConfig(name="custom", n_layer=1, n_head=2, n_embd=32, block_size=32))
+    model.train()
+    first = evaluate(model, batches)
+    assert model.training
+    model.eval()
+    assert evaluate(model, batches) == first
+    assert not model.training
+    assert abs(first - np.log(256)) < 0.2
+    with pytest.raises(ValueError):
+        eval_batches(held[:10], block_size=32, batch_size=1, num_batches=1)

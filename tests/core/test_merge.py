@@ -1,0 +1,121 @@
+"""Token weights, Radial-Directional Averaging and the per-fragment merge."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddiloco_geo.merge import merge_fragment, rda, token_weight, weighted_mean
+
+
+def _orthogonal(m, dim, radius, seed=0):
+    q, _ = torch.linalg.qr(torch.randn(dim, m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    return [(radius * q[:, i]).float() for i in range(m)]
+
+
+@pytest.mark.parametrize("m", [2, 4, 8, 16])
+def test_rda_of_orthogonal_equal_norm_vectors_keeps_the_norm(m):
+    radius = 3.0
+    vs = _orthogonal(m, 64, radius)
+    ws = [1.0] * m
+    assert float(rda(vs, ws).norm()) == pytest.approx(radius, rel=1e-5)
+    assert float(weighted_mean(vs, ws).norm()) == pytest.approx(radius / math.sqrt(m), rel=1e-5)
+
+
+def test_rda_of_identical_vectors_is_that_vector():
+    v = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    out = rda([v, v.clone(), v.clone()], [1.0, 2.0, 5.0])
+    assert out.shape == v.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, v, rtol=1e-6, atol=1e-7)
+
+
+def test_weights_matter_and_zero_weight_has_no_effect():
+    a, b, c = _orthogonal(3, 16, 1.0)
+    assert torch.equal(rda([a, b], [1.0, 0.0]), a)
+    torch.testing.assert_close(rda([a, b, c], [1.0, 1.0, 0.0]), rda([a, b], [1.0, 1.0]))
+    heavy = rda([a, b], [9.0, 1.0])
+    assert torch.dot(heavy, a) > torch.dot(heavy, b)
+
+
+def test_rda_radius_is_weighted_mean_of_norms():
+    a, b = _orthogonal(2, 8, 1.0)
+    out = rda([2.0 * a, 4.0 * b], [3.0, 1.0])
+    assert float(out.norm()) == pytest.approx((3 * 2 + 1 * 4) / 4, rel=1e-6)
+
+
+def test_degenerate_direction_falls_back_to_weighted_mean():
+    v = torch.randn(10, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(rda([v, -v], [1.0, 1.0]), torch.zeros(10))
+    # opposite directions, different norms: the direction cancels, the weighted mean does not
+    out = rda([v, -3 * v], [1.0, 1.0])
+    torch.testing.assert_close(out, -v, rtol=1e-6, atol=1e-7)
+
+
+def test_zero_vectors_merge_to_zero():
+    z = torch.zeros(4)
+    assert torch.equal(rda([z, z], [1.0, 1.0]), z)
+    a = torch.ones(4)
+    # phi(0) = 0: a zero vector shrinks the radius but not the direction
+    torch.testing.assert_close(rda([a, z], [1.0, 1.0]), a / 2)
+
+
+def test_single_contributor_returns_its_pseudo_grad():
+    pg = {"blocks.0.attn.c_attn.weight": torch.randn(6, 2), "wte.weight": torch.randn(4, 2)}
+    out = merge_fragment([pg], [5.0], lambda n: "wte" in n)
+    for n in pg:
+        assert torch.equal(out[n], pg[n])
+
+
+def test_embeddings_use_the_weighted_mean_others_rda():
+    names = ["wte.weight", "blocks.0.mlp.c_fc.weight"]
+    vs = _orthogonal(4, 12, 2.0)
+    pgs = [{n: v.view(3, 4).clone() for n in names} for v in vs]
+    ws = [1.0, 2.0, 3.0, 4.0]
+    out = merge_fragment(pgs, ws, lambda n: n.startswith("wte"))
+    torch.testing.assert_close(out["wte.weight"], weighted_mean([p["wte.weight"] for p in pgs], ws))
+    torch.testing.assert_close(out["blocks.0.mlp.c_fc.weight"], rda([p["blocks.0.mlp.c_fc.weight"] for p in pgs], ws))
+    assert float(out["blocks.0.mlp.c_fc.weight"].norm()) == pytest.approx(2.0, rel=1e-5)
+
+
+def test_token_weight():
+    assert token_weight(1024, 8) == 1024 * 128
+    assert token_weight(3, 2) == 4.5
+    assert token_weight(0, 5) == 0.0
+    assert token_weight(100, 0) == 0.0
+    with pytest.raises(ValueError):
+        token_weight(-1, 2)
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [[1.0], [1.0, 2.0, 3.0], [0.0, 0.0], [1.0, -1.0], [1.0, float("nan")], [float("inf"), 1.0]],
+)
+def test_bad_weights_raise(weights):
+    pgs = [{"w": torch.ones(2)}, {"w": torch.ones(2)}]
+    with pytest.raises(ValueError):
+        merge_fragment(pgs, weights, lambda n: False)
+
+
+def test_mismatched_fragments_raise():
+    with pytest.raises(ValueError, match="tensors"):
+        merge_fragment([{"w": torch.ones(2)}, {"v": torch.ones(2)}], [1.0, 1.0], lambda n: False)
+    with pytest.raises(ValueError, match="w: shape"):
+        merge_fragment([{"w": torch.ones(2)}, {"w": torch.ones(3)}], [1.0, 1.0], lambda n: False)
+    with pytest.raises(ValueError):
+        merge_fragment([], [], lambda n: False)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.floats(0.1, 10.0), min_size=2, max_size=6),
+    st.integers(0, 2**16),
+)
+def test_rda_norm_bounded_by_max_and_radius_matches(weights, seed):
+    g = torch.Generator().manual_seed(seed)
+    vs = [torch.randn(32, generator=g) * (1 + i) for i in range(len(weights))]
+    out = rda(vs, weights)
+    expected_radius = sum(w * float(v.norm()) for w, v in zip(weights, vs)) / sum(weights)
+    assert torch.isfinite(out).all()
+    assert float(out.norm()) == pytest.approx(expected_radius, rel=1e-5)

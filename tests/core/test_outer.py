@@ -1,0 +1,99 @@
+"""The outer optimizer is pinned to torch.optim.SGD fed the pseudo-gradient as the gradient."""
+
+import pytest
+import torch
+
+from ddiloco_geo.outer import OuterOptimizer
+
+SHAPES = {"a.weight": (5, 3), "a.bias": (5,), "b": (7,)}
+
+
+def _random(seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: scale * torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("foreach", [True, False])
+def test_matches_torch_sgd_over_several_steps(nesterov, foreach):
+    params0 = _random(0)
+    pseudo_grads = [_random(10 + i, scale=0.1) for i in range(6)]
+    ps = {n: torch.nn.Parameter(t.clone()) for n, t in params0.items()}
+    ref = torch.optim.SGD(list(ps.values()), lr=0.7, momentum=0.9, nesterov=nesterov, dampening=0, foreach=foreach)
+    outer = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=nesterov)
+    params = params0
+    for pg in pseudo_grads:
+        for n, p in ps.items():
+            p.grad = pg[n].clone()
+        ref.step()
+        params = outer.step(params, pg)
+        for n in SHAPES:
+            assert torch.equal(params[n], ps[n].detach()), n  # bit for bit
+    assert outer.num_steps == len(pseudo_grads)
+
+
+def test_step_does_not_mutate_inputs():
+    params, pg = _random(0), _random(1)
+    before = {n: t.clone() for n, t in params.items()}, {n: t.clone() for n, t in pg.items()}
+    OuterOptimizer().step(params, pg)
+    for n in SHAPES:
+        assert torch.equal(params[n], before[0][n]) and torch.equal(pg[n], before[1][n])
+
+
+def test_positive_pseudo_grad_moves_global_toward_learner():
+    base = {"w": torch.zeros(4)}
+    local = {"w": torch.ones(4)}
+    pseudo_grad = {"w": base["w"] - local["w"]}
+    new = OuterOptimizer(lr=0.5, momentum=0.0).step(base, pseudo_grad)
+    torch.testing.assert_close(new["w"], torch.full((4,), 0.5))
+
+
+def test_state_round_trip_resumes_identically():
+    pgs = [_random(20 + i, scale=0.1) for i in range(6)]
+    straight = OuterOptimizer()
+    params = _random(0)
+    for pg in pgs:
+        params = straight.step(params, pg)
+
+    first = OuterOptimizer()
+    resumed_params = _random(0)
+    for pg in pgs[:3]:
+        resumed_params = first.step(resumed_params, pg)
+    second = OuterOptimizer(shapes=SHAPES)
+    second.load_state_dict(first.state_dict())
+    assert second.num_steps == 3
+    for pg in pgs[3:]:
+        resumed_params = second.step(resumed_params, pg)
+    for n in SHAPES:
+        assert torch.equal(params[n], resumed_params[n])
+    assert second.state_dict()["num_steps"].item() == 6
+
+
+def test_load_state_dict_validates_names_and_shapes():
+    opt = OuterOptimizer(shapes=SHAPES)
+    state = opt.state_dict()
+    bad_shape = dict(state, **{"momentum.b": torch.zeros(8)})
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(bad_shape)
+    missing = {k: v for k, v in state.items() if k != "momentum.b"}
+    with pytest.raises(ValueError, match="tensors"):
+        opt.load_state_dict(missing)
+    with pytest.raises(ValueError, match="unknown"):
+        opt.load_state_dict(dict(state, junk=torch.zeros(1)))
+    with pytest.raises(ValueError, match="num_steps"):
+        opt.load_state_dict({k: v for k, v in state.items() if k != "num_steps"})
+
+
+def test_step_rejects_mismatched_fragments():
+    opt = OuterOptimizer()
+    opt.step(_random(0), _random(1))
+    with pytest.raises(ValueError):
+        opt.step({"other": torch.zeros(2)}, {"other": torch.zeros(2)})
+    with pytest.raises(ValueError):
+        opt.step(_random(0), {**_random(1), "b": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("kwargs", [{"lr": 0}, {"lr": float("nan")}, {"momentum": 1.0}, {"momentum": -0.1}])
+def test_bad_hyperparameters_rejected(kwargs):
+    with pytest.raises(ValueError):
+        OuterOptimizer(**kwargs)
