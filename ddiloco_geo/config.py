@@ -12,6 +12,7 @@ came from (``default``, ``file``, ``env`` or ``cli``).
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -25,8 +26,19 @@ from ddiloco_geo.errors import ConfigError
 ENV_PREFIX = "DDILOCO_"
 ENV_NESTED = "__"
 CONFIG_FILE_ENV = "DDILOCO_CONFIG"
+TEST_ENV_PREFIX = "DDILOCO_TEST_"  # reserved for the test harness (e.g. DDILOCO_TEST_LOCALSTACK_URL)
 
 Codec = Literal["fp32", "bf16", "int8", "int4"]
+
+
+def _check_shard(v: str) -> str:
+    try:
+        i, n = (int(x) for x in v.split("/"))
+    except ValueError:
+        raise ValueError(f"shard {v!r} must look like 'i/N', e.g. '0/1' or '2/4'") from None
+    if not 0 <= i < n:
+        raise ValueError(f"shard {v!r}: need 0 <= i < N")
+    return v
 
 
 class Section(BaseModel):
@@ -67,6 +79,12 @@ class DataConfig(Section):
     eval_ratio: float = Field(0.02, gt=0, lt=0.5, description="held-out share of the corpus for evaluation")
     eval_batches: int = Field(8, ge=1)
     max_bytes: int | None = Field(None, ge=1024, description="cap on corpus bytes read (None: all)")
+    shard: str = Field("0/1", description="'i/N': this learner reads the i-th of N disjoint shards")
+
+    @field_validator("shard")
+    @classmethod
+    def _shard(cls, v: str) -> str:
+        return _check_shard(v)
 
 
 class LearnerConfig(Section):
@@ -86,6 +104,9 @@ class LearnerConfig(Section):
     heartbeat_s: float = Field(2.0, gt=0)
     slow_step_s: float = Field(0.0, ge=0, description="extra sleep per step (tests and chaos: a straggler)")
     device: str = Field("cpu", description="torch device; 'cuda' under torchrun uses LOCAL_RANK")
+    join_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the run and its first globals")
+    flush_deadline_s: float = Field(20.0, gt=0, description="time allowed to flush deltas on exit or preemption notice (fits GCE's 30 s)")
+    log_every: int = Field(10, ge=1, description="steps between progress lines")
 
 
 class SyncerConfig(Section):
@@ -105,13 +126,7 @@ class SyncerConfig(Section):
     @field_validator("shard")
     @classmethod
     def _shard(cls, v: str) -> str:
-        try:
-            i, s = (int(x) for x in v.split("/"))
-        except ValueError:
-            raise ValueError("shard must look like 'i/S', e.g. '0/1' or '2/4'") from None
-        if not 0 <= i < s:
-            raise ValueError(f"shard {v!r}: need 0 <= i < S")
-        return v
+        return _check_shard(v)
 
 
 class FragmentConfig(Section):
@@ -162,7 +177,7 @@ def _env_tree(environ: dict[str, str]) -> dict[str, Any]:
     """``DDILOCO_SECTION__FIELD=value`` -> {"section": {"field": value}} (values parsed later)."""
     tree: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV:
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV or name.startswith(TEST_ENV_PREFIX):
             continue
         path = name[len(ENV_PREFIX):].lower().split(ENV_NESTED)
         node = tree
@@ -176,8 +191,6 @@ def _env_tree(environ: dict[str, str]) -> dict[str, Any]:
 
 def _parse_env_value(value: str) -> Any:
     """Environment values are strings; JSON-looking ones (lists, numbers, booleans) are decoded."""
-    import json
-
     text = value.strip()
     if text[:1] in "[{" or text in ("true", "false", "null"):
         try:
@@ -242,11 +255,13 @@ def load(
     if config_file:
         path = Path(config_file)
         try:
-            file_tree = tomllib.loads(path.read_text())
+            text = path.read_text()
+            # a .json settings file (what `local` hands its children) is read as JSON, else TOML
+            file_tree = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found; pass an existing TOML file or drop --config") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid TOML/JSON: {exc}") from None
         _merge(merged, file_tree, "file", origin)
     _merge(merged, _env_tree(environ), "env", origin)
     _merge(merged, _drop_none(cli or {}), "cli", origin)
