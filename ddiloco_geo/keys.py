@@ -6,7 +6,7 @@ is numeric order::
 
     run.json                                         run spec (create-only, once)
     globals/f007/v0000000012.st                      global fragment 7, version 12 (create-only)
-    globals/f007/HEAD                                pointer to the newest version (compare-and-swap)
+    globals/HEAD                                     index: newest version of every fragment (compare-and-swap)
     learners/<learner>/deltas/s000000000042-f007.st  learner's 42nd delta, for fragment 7 (create-only)
     learners/<learner>/heartbeat.json                liveness and throughput (compare-and-swap)
     learners/<learner>/checkpoints/c0000000003.st     preemption checkpoint (create-only)
@@ -14,6 +14,8 @@ is numeric order::
     syncer/state/f007/v0000000012-<token>.st         outer-optimizer state that goes with version 12
     syncer/leases/shard-000-of-001                   syncer lease with fencing token (compare-and-swap)
     syncer/tape/f007/v0000000012.json                event-tape entry for one merge (create-only)
+    syncer/rejected/<learner>/s000000000042-f007.json  why a delta was rejected (create-only)
+    syncer/status/shard-000-of-001.json              syncer counters, lag and timings (compare-and-swap)
     snapshots/<snapshot>/manifest.json               consistent cut (create-only)
 
 Why deltas live under the learner and not under the fragment: a learner's sequence number is
@@ -76,8 +78,9 @@ def global_key(fragment: int, version: int) -> str:
     return f"{fragment_dir(fragment)}v{_num(version, VERSION_DIGITS, 'version')}{TENSOR_SUFFIX}"
 
 
-def global_head_key(fragment: int) -> str:
-    return f"{fragment_dir(fragment)}HEAD"
+def globals_index_key() -> str:
+    """One small object that learners poll: the newest published version of every fragment."""
+    return f"{GLOBALS}HEAD"
 
 
 _GLOBAL_RE = re.compile(rf"^{GLOBALS}f(\d{{{FRAGMENT_DIGITS}}})/v(\d{{{VERSION_DIGITS}}})\.st$")
@@ -180,6 +183,20 @@ def tape_key(fragment: int, version: int) -> str:
     return (
         f"{SYNCER}tape/f{_num(fragment, FRAGMENT_DIGITS, 'fragment')}/"
         f"v{_num(version, VERSION_DIGITS, 'version')}.json"
+    )
+
+
+def rejected_key(learner: str, seq: int, fragment: int) -> str:
+    return (
+        f"{SYNCER}rejected/{check_id(learner, 'learner id')}/s{_num(seq, SEQ_DIGITS, 'seq')}"
+        f"-f{_num(fragment, FRAGMENT_DIGITS, 'fragment')}.json"
+    )
+
+
+def syncer_status_key(shard: int, num_shards: int) -> str:
+    return (
+        f"{SYNCER}status/shard-{_num(shard, SHARD_DIGITS, 'shard')}"
+        f"-of-{_num(num_shards, SHARD_DIGITS, 'shard count')}.json"
     )
 
 

@@ -1,0 +1,32 @@
+"""``ddiloco-geo bench WHICH``: benchmarks that print JSON and compare against a baseline measured
+in the same run (ratios, not absolute times: these machines are noisy). Benchmarks are commands,
+never tests. Each lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "codec": "encode/decode throughput and wire size of each codec vs a memory copy",
+    "quality": "eval loss of Decoupled DiLoCo vs data-parallel on the same tokens",
+    "bandwidth": "bytes on the wire per token vs a ring all-reduce of fp32 gradients",
+    "overhead": "learner tokens/s with syncing on vs off, on loopback and through the WAN emulator",
+    "syncer": "syncer MB/s decoded, merged and published vs a plain fp32 add",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="benchmark", metavar="WHICH", required=True)
+    for name, help_text in BENCHMARKS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON on stdout")
+        try:
+            importlib.import_module(f"ddiloco_geo.bench.{name}").add_arguments(sp)
+        except ModuleNotFoundError:
+            pass
+
+
+def run(args: argparse.Namespace) -> int:
+    return importlib.import_module(f"ddiloco_geo.bench.{args.benchmark}").run(args)

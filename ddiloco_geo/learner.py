@@ -1,0 +1,557 @@
+"""The learner: an inner AdamW loop that never waits on the network.
+
+Decoupled DiLoCo (arXiv 2604.21428, "learner loop"). Each inner step:
+
+1. adopt any global fragment versions the background poller has already downloaded (overwrite by
+   default, ``alpha`` mixing optional), reset that fragment's counters, keep the AdamW state;
+2. take one AdamW step on the learner's own data shard (under ``torchrun`` with N processes, an
+   ordinary DDP step: gloo on CPU, nccl on GPU);
+3. count steps and tokens for every fragment since it was last adopted;
+4. for each fragment due at this step (``fragments.Schedule``: p is due when
+   (t − offset_p) mod H == 0), compute the pseudo-gradient ``base − local`` on the CPU and hand it
+   to the bounded background uploader, which encodes it (int4 by default) with the learner's vector
+   clock, counters and base version, and writes it create-only.
+
+Only rank 0 talks to storage. Adoptions and the stop flag are broadcast to the other ranks at the
+top of each step, so every rank applies the same globals at the same step.
+
+Nothing in the step waits for storage: polling, downloads, encoding and uploads run in daemon
+threads. If the upload queue is full, a queued delta for the same fragment is replaced (deltas are
+cumulative since the last adoption, so nothing is lost); otherwise the oldest is dropped and
+counted. On SIGTERM (or a preemption notice, ``ddiloco_geo.agent``) the learner stops stepping,
+flushes a delta for every fragment with unsent work within ``flush_deadline_s``, writes
+``exit.json`` and exits 0. A killed learner loses only its unflushed work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import math
+import os
+import socket
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddiloco_geo import codec, keys, run as runmod
+from ddiloco_geo.clocks import VectorClock
+from ddiloco_geo.errors import CodecError, DdilocoError, NotFoundError, StorageError
+from ddiloco_geo.fragments import Schedule
+from ddiloco_geo.storage import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outgoing:
+    fragment: int
+    pseudo_grad: dict[str, torch.Tensor]
+    base_version: int
+    num_steps: int
+    num_tokens: int
+    step: int
+    step_s: float
+    clock: VectorClock
+
+
+class Uploader:
+    """Bounded background uploader: encodes and writes deltas create-only, in order."""
+
+    def __init__(self, store: Store, spec: runmod.RunSpec, learner: str, *, maxsize: int,
+                 codec_name: str, block_size: int, first_seq: int, inline: bool = False) -> None:
+        self.store, self.spec, self.learner = store, spec, learner
+        self.inline = inline
+        self.maxsize, self.codec_name, self.block_size = maxsize, codec_name, block_size
+        self.next_seq = first_seq
+        self.queue: collections.deque[Outgoing] = collections.deque()
+        self.cond = threading.Condition()
+        self.busy = False
+        self.closed = False
+        self.counters = {"deltas_sent": 0, "deltas_coalesced": 0, "deltas_dropped": 0, "upload_errors": 0,
+                         "delta_bytes": 0}
+        if not inline:
+            threading.Thread(target=self._loop, name="uploader", daemon=True).start()
+
+    def submit(self, item: Outgoing) -> None:
+        if self.inline:  # in-process harnesses: write now, on the caller's thread
+            self._upload(item)
+            return
+        with self.cond:
+            for i, queued in enumerate(self.queue):
+                if queued.fragment == item.fragment:
+                    self.queue[i] = item
+                    self.counters["deltas_coalesced"] += 1
+                    return
+            if len(self.queue) >= self.maxsize:
+                dropped = self.queue.popleft()
+                self.counters["deltas_dropped"] += 1
+                log.warning("delta_dropped fragment=%d reason=upload_queue_full", dropped.fragment)
+            self.queue.append(item)
+            self.cond.notify()
+
+    def depth(self) -> int:
+        with self.cond:
+            return len(self.queue) + int(self.busy)
+
+    def _loop(self) -> None:
+        backoff = 0.5
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                if not self.queue and self.closed:
+                    return
+                item = self.queue[0]
+                self.busy = True
+            try:
+                self._upload(item)
+                backoff = 0.5
+                with self.cond:
+                    if self.queue and self.queue[0] is item:
+                        self.queue.popleft()
+            except StorageError as exc:  # outage beyond the store's retries: keep it, try again
+                self.counters["upload_errors"] += 1
+                log.warning("delta_upload_failed fragment=%d error=%s action=retry_in=%.1fs", item.fragment, exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+            finally:
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
+
+    def _upload(self, item: Outgoing) -> None:
+        while True:
+            seq = self.next_seq
+            header = codec.Header(
+                kind="delta", run_id=self.spec.run_id, fragment=item.fragment, learner=self.learner, seq=seq,
+                base_version=item.base_version, clock=item.clock.merge(VectorClock({self.learner: seq + 1})),
+                num_steps=item.num_steps, num_tokens=item.num_tokens,
+                extra={"step": item.step, "step_s": item.step_s},
+            )
+            data = codec.encode(item.pseudo_grad, header, codec=self.codec_name, block_size=self.block_size)
+            key = keys.delta_key(self.learner, seq, item.fragment)
+            if self.store.put_if_absent(key, data):
+                break
+            # the key exists: our own write whose response was lost, or an earlier incarnation's
+            if self.store.get(key) == data:
+                break
+            self.next_seq += 1
+        self.next_seq = seq + 1
+        self.counters["deltas_sent"] += 1
+        self.counters["delta_bytes"] += len(data)
+
+    def close(self, deadline_s: float) -> bool:
+        """Stop intake, drain within the deadline; True if everything was written."""
+        if self.inline:
+            return True
+        end = time.monotonic() + deadline_s
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+            while (self.queue or self.busy) and time.monotonic() < end:
+                self.cond.wait(timeout=max(0.0, end - time.monotonic()))
+            left = len(self.queue)
+        if left:
+            log.warning("learner_flush_incomplete deltas_left=%d deadline_s=%.1f", left, deadline_s)
+        return left == 0
+
+
+class GlobalPoller:
+    """Background thread: polls ``globals/HEAD`` and downloads newer fragment versions."""
+
+    def __init__(self, store: Store, spec: runmod.RunSpec, poll_s: float, held: dict[int, int],
+                 inline: bool = False) -> None:
+        self.store, self.spec, self.poll_s = store, spec, poll_s
+        self.known = dict(held)
+        self.inbox: dict[int, tuple[int, dict[str, torch.Tensor], VectorClock]] = {}
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.counters = {"globals_fetched": 0, "globals_rejected": 0, "poll_errors": 0}
+        self.thread = None
+        if not inline:  # inline: the caller runs poll_once() itself
+            self.thread = threading.Thread(target=self._loop, name="global-poller", daemon=True)
+            self.thread.start()
+
+    def take(self) -> dict[int, tuple[int, dict[str, torch.Tensor], VectorClock]]:
+        with self.lock:
+            out, self.inbox = self.inbox, {}
+        return out
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(self.poll_s):
+            try:
+                self.poll_once()
+            except StorageError as exc:
+                self.counters["poll_errors"] += 1
+                log.warning("global_poll_failed error=%s", exc)
+
+    def poll_once(self) -> None:
+        index, _ = runmod.read_index(self.store)
+        for p, v in sorted(index.items()):
+            if v <= self.known.get(p, -1) or p >= self.spec.plan.num_fragments:
+                continue
+            try:
+                header, tensors = runmod.read_global(self.store, self.spec, p, v)
+            except (CodecError, NotFoundError) as exc:
+                self.counters["globals_rejected"] += 1
+                log.warning("global_rejected fragment=%d version=%d reason=%s", p, v, exc)
+                self.known[p] = v
+                continue
+            self.known[p] = v
+            self.counters["globals_fetched"] += 1
+            with self.lock:
+                self.inbox[p] = (v, tensors, header.clock)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+
+
+class Learner:
+    def __init__(self, settings, store: Store | None, *, rank: int = 0, world: int = 1,
+                 inline_io: bool = False) -> None:
+        from ddiloco_geo import data as datamod, model as modelmod
+
+        self.cfg = settings.learner
+        self.settings = settings
+        self.store = store
+        self.rank, self.world = rank, world
+        self.inline_io = inline_io
+        self.learner_id = self.cfg.id or default_learner_id()
+        keys.check_id(self.learner_id, "learner id")
+        self.device = torch.device(self.cfg.device)
+        torch.manual_seed(settings.model.seed + 1000 * _shard_index(settings.data.shard) + rank)
+        self.model = modelmod.build_model(settings.model).to(self.device)
+        self.modelmod = modelmod
+        corpus = datamod.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
+        train, self.eval_data = datamod.split(corpus, settings.data.eval_ratio)
+        shard, num_shards = (int(x) for x in settings.data.shard.split("/"))
+        self.reader = datamod.ShardReader(
+            train, shard=shard * world + rank, num_shards=num_shards * world,
+            block_size=settings.model.block_size, batch_size=self.cfg.batch_size, seed=settings.model.seed + shard,
+        )
+        self.spec: runmod.RunSpec | None = None
+        self.stop_reason: str | None = None
+        self.history: list[dict[str, float]] = []
+        self.step = 0
+        self.tokens_total = 0
+
+    # --- joining ---------------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """The only wait: for the run spec and a first version of every fragment."""
+        from ddiloco_geo.syncer import build_spec
+
+        local_spec, _ = build_spec(self.settings)
+        if self.rank == 0:
+            spec = runmod.wait_for_spec(self.store, self.cfg.join_timeout_s)
+            if spec.plan.digest() != local_spec.plan.digest():
+                raise DdilocoError(
+                    f"run {spec.run_id} uses fragment plan {spec.plan.digest()[:12]} (model {spec.model}) "
+                    f"but this learner's model gives {local_spec.plan.digest()[:12]}: start it with the run's model settings"
+                )
+            self.spec = spec
+            deadline = time.monotonic() + self.cfg.join_timeout_s
+            while True:
+                index, _ = runmod.read_index(self.store)
+                if all(p in index for p in range(spec.plan.num_fragments)):
+                    break
+                if time.monotonic() > deadline:
+                    raise DdilocoError(f"run {spec.run_id} has no global version for every fragment yet: is a syncer running?")
+                time.sleep(0.5)
+        else:
+            self.spec = local_spec
+        P = self.spec.plan.num_fragments
+        self.base: dict[int, dict[str, torch.Tensor]] = {}
+        self.base_version = [0] * P
+        self.clock = VectorClock()
+        if self.rank == 0:
+            for p in range(P):
+                header, tensors = runmod.read_global(self.store, self.spec, p, index[p])
+                self.modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()})
+                self.base[p] = tensors
+                self.base_version[p] = index[p]
+                self.clock = self.clock.merge(header.clock)
+        self._broadcast_model()
+        self.schedule = Schedule(P, self.spec.sync_every)
+        self.c_steps = [0] * P
+        self.c_tokens = [0] * P
+        self.last_sent_step = [0] * P
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
+                                           betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
+        self.ddp = None
+        if self.world > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        if self.rank == 0:
+            first_seq = _next_seq(self.store, self.learner_id)
+            self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
+                                     codec_name=self.spec.codec, block_size=self.spec.block_size, first_seq=first_seq,
+                                     inline=self.inline_io)
+            self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
+                                       inline=self.inline_io)
+        log.info("learner_joined learner=%s run=%s fragments=%d versions=%s world=%d", self.learner_id,
+                 self.spec.run_id, P, self.base_version, self.world)
+
+    def _broadcast_model(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            for t in self.model.parameters():
+                dist.broadcast(t.data, src=0)
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def _sync_control(self, adoptions: dict) -> tuple[dict, bool]:
+        """Rank 0 tells every rank which fragments to adopt this step and whether to stop."""
+        stop = self.stop_reason is not None
+        if self.world == 1:
+            return adoptions, stop
+        import torch.distributed as dist
+
+        P = self.spec.plan.num_fragments
+        ctrl = torch.full((P + 1,), -1, dtype=torch.int64)
+        if self.rank == 0:
+            for p, (v, _, _) in adoptions.items():
+                ctrl[p] = v
+            ctrl[P] = int(stop)
+        dist.broadcast(ctrl, src=0)
+        stop = bool(ctrl[P].item())
+        out = {}
+        for p in range(P):
+            if ctrl[p] < 0:
+                continue
+            names = self.spec.plan.fragments[p]
+            if self.rank == 0:
+                tensors = adoptions[p][1]
+            else:
+                tensors = {n: torch.empty(self.spec.plan.shapes[n], dtype=torch.float32) for n in names}
+            for n in names:
+                dist.broadcast(tensors[n], src=0)
+            out[p] = (int(ctrl[p]), tensors, adoptions[p][2] if self.rank == 0 else VectorClock())
+        return out, stop
+
+    def adopt(self, adoptions: dict) -> None:
+        for p, (version, tensors, clock) in adoptions.items():
+            self.modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()}, alpha=self.cfg.alpha)
+            if self.rank == 0:
+                self.base[p] = tensors
+                self.base_version[p] = version
+                self.clock = self.clock.merge(clock)
+            self.c_steps[p] = 0
+            self.c_tokens[p] = 0
+            self.last_sent_step[p] = self.step
+
+    def lr_at(self, step: int) -> float:
+        if self.cfg.warmup_steps and step < self.cfg.warmup_steps:
+            return self.cfg.lr * (step + 1) / self.cfg.warmup_steps
+        progress = min(1.0, (step - self.cfg.warmup_steps) / max(1, self.cfg.max_steps - self.cfg.warmup_steps))
+        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def train_step(self) -> float:
+        x, y, num_tokens = self.reader.next_batch()
+        x, y = x.to(self.device), y.to(self.device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        net = self.ddp or self.model
+        _, loss = net(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        step_tokens = num_tokens * self.world
+        self.tokens_total += step_tokens
+        for p in range(len(self.c_steps)):
+            self.c_steps[p] += 1
+            self.c_tokens[p] += step_tokens
+        return float(loss.detach())
+
+    def send(self, p: int, step_s: float) -> None:
+        if self.c_steps[p] < 1 or self.last_sent_step[p] == self.step:
+            return
+        names = self.spec.plan.fragments[p]
+        local = self.modelmod.get_tensors(self.model, names)
+        pseudo_grad = {n: self.base[p][n] - local[n] for n in names}
+        self.uploader.submit(Outgoing(p, pseudo_grad, self.base_version[p], self.c_steps[p], self.c_tokens[p],
+                                      self.step, step_s, self.clock))
+        self.last_sent_step[p] = self.step
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            log.info("learner_stop_requested learner=%s reason=%s step=%d", self.learner_id, reason, self.step)
+
+    def run(self) -> dict[str, Any]:
+        self.start_clock()
+        while self.step_once():
+            pass
+        return self.finish()
+
+    def start_clock(self) -> None:
+        self.started = time.monotonic()
+        self.step_ema: float | None = None
+        self.loss_ema: float | None = None
+        self._last_hb = 0.0
+        self._hb_token: str | None = None
+
+    def step_once(self, step_s: float | None = None) -> bool:
+        """One inner step with its adoptions and sends; False once the learner should stop.
+
+        ``step_s`` overrides the measured step time (in-process harnesses run on simulated time).
+        """
+        if self.step >= self.cfg.max_steps:
+            self.request_stop("max_steps")
+        if self.cfg.max_time_s and time.monotonic() - self.started > self.cfg.max_time_s:
+            self.request_stop("max_time")
+        adoptions = self.poller.take() if self.rank == 0 else {}
+        adoptions, stop = self._sync_control(adoptions)
+        self.adopt(adoptions)
+        if stop:
+            return False
+        t0 = time.perf_counter()
+        loss = self.train_step()
+        if self.cfg.slow_step_s:
+            time.sleep(self.cfg.slow_step_s)
+        dt = time.perf_counter() - t0 if step_s is None else step_s
+        self.step_ema = dt if self.step_ema is None else 0.9 * self.step_ema + 0.1 * dt
+        self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        if self.rank == 0:
+            for p in self.schedule.due(self.step):
+                self.send(p, self.step_ema)
+            if self.step % self.cfg.log_every == 0:
+                self.history.append({"step": self.step, "tokens": self.tokens_total, "loss": self.loss_ema,
+                                     "time": time.time()})
+                log.info("learner_step learner=%s step=%d loss=%.4f tok_s=%.0f versions=%d queue=%d",
+                         self.learner_id, self.step, self.loss_ema,
+                         self.tokens_total / max(1e-9, time.monotonic() - self.started),
+                         sum(self.base_version), self.uploader.depth())
+            if time.monotonic() - self._last_hb > self.cfg.heartbeat_s:
+                self._last_hb = time.monotonic()
+                self._heartbeat(self.step_ema)
+        return True
+
+    def finish(self) -> dict[str, Any]:
+        """Flush a delta for every fragment with unsent work, drain the uploader, deregister."""
+        if self.rank != 0:
+            return {}
+        t0 = time.monotonic()
+        for p in range(len(self.c_steps)):
+            if self.step > self.last_sent_step[p]:
+                self.send(p, 0.0)
+        flushed = self.uploader.close(self.cfg.flush_deadline_s)
+        self.poller.stop()
+        summary = self._status(None)
+        summary.update({"reason": self.stop_reason, "flushed": flushed, "flush_s": time.monotonic() - t0,
+                        "history": self.history})
+        try:
+            token = None
+            try:
+                _, token = self.store.read_token(keys.exit_key(self.learner_id))
+            except NotFoundError:
+                pass
+            self.store.cas(keys.exit_key(self.learner_id), json.dumps(summary, default=str).encode(), token)
+            self._heartbeat(None, state="exited")
+        except StorageError as exc:
+            log.warning("exit_record_failed error=%s", exc)
+        log.info("learner_exit learner=%s reason=%s steps=%d tokens=%d deltas_sent=%d flushed=%s",
+                 self.learner_id, self.stop_reason, self.step, self.tokens_total,
+                 self.uploader.counters["deltas_sent"], flushed)
+        return summary
+
+    def _status(self, step_s: float | None, state: str = "running") -> dict:
+        elapsed = max(1e-9, time.monotonic() - self.started)
+        return {
+            "learner": self.learner_id, "region": self.cfg.region, "state": state, "step": self.step,
+            "tokens": self.tokens_total, "tokens_per_s": self.tokens_total / elapsed, "loss": self.loss_ema,
+            "step_s": step_s, "versions": self.base_version, "time": time.time(), "host": socket.gethostname(),
+            "pid": os.getpid(), "world_size": self.world, "uploads": dict(self.uploader.counters),
+            "upload_queue": self.uploader.depth(), "poller": dict(self.poller.counters),
+            "storage": self.store.stats.snapshot(),
+        }
+
+    def _heartbeat(self, step_s: float | None, state: str = "running") -> None:
+        body = json.dumps(self._status(step_s, state), default=str).encode()
+        key = keys.heartbeat_key(self.learner_id)
+        try:
+            self._hb_token = self.store.cas(key, body, self._hb_token)
+        except StorageError:  # a stale token (e.g. an earlier incarnation wrote it): re-read, next beat wins
+            try:
+                _, self._hb_token = self.store.read_token(key)
+            except StorageError:
+                self._hb_token = None
+
+
+def default_learner_id() -> str:
+    host = re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40].strip("-") or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _shard_index(shard: str) -> int:
+    return int(shard.split("/")[0])
+
+
+def _next_seq(store: Store, learner: str) -> int:
+    existing = store.list(keys.deltas_dir(learner))
+    seqs = []
+    for key in existing:
+        try:
+            seqs.append(keys.parse_delta_key(key).seq)
+        except keys.LayoutError:
+            continue
+    return max(seqs) + 1 if seqs else 0
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--id", help="learner id (default: hostname-pid)")
+    p.add_argument("--region", help="region label for status views")
+    p.add_argument("--shard", help="data shard 'i/N'")
+    p.add_argument("--max-steps", type=int, help="inner steps before exiting")
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+
+    from ddiloco_geo.cli import settings_from
+    from ddiloco_geo.storage import open_store
+
+    settings, _ = settings_from(args, {
+        "learner.id": args.id, "learner.region": args.region, "data.shard": args.shard,
+        "learner.max_steps": args.max_steps,
+    })
+    rank, world = 0, 1
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        import torch.distributed as dist
+
+        backend = "nccl" if settings.learner.device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if settings.learner.device.startswith("cuda"):
+            settings.learner.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    store = open_store(settings.storage) if rank == 0 else None
+    learner = Learner(settings, store, rank=rank, world=world)
+    signal.signal(signal.SIGTERM, lambda *_: learner.request_stop("sigterm"))
+    signal.signal(signal.SIGINT, lambda *_: learner.request_stop("sigint"))
+    learner.join()
+    summary = learner.run()
+    if args.json and rank == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "history"}, default=str))
+    if store is not None:
+        store.close()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,153 @@
+"""``ddiloco-geo status``: a view of a run built from the bucket alone (never writes to it).
+
+:func:`collect` reads every learner's heartbeat and exit record, the globals index and the syncer
+status objects, and returns one JSON-able dict. :class:`LiveView` renders it with rich (on a
+terminal) or as periodic plain log lines; ``ddiloco-geo local`` uses it for its live view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from ddiloco_geo import keys, run as runmod
+from ddiloco_geo.errors import NotFoundError, StorageError
+from ddiloco_geo.storage import Store
+
+log = logging.getLogger(__name__)
+
+SILENT_AFTER_S = 30.0
+
+
+def _json_or_none(store: Store, key: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(store.get(key))
+    except (NotFoundError, ValueError):
+        return None
+
+
+def collect(store: Store) -> dict[str, Any]:
+    now = time.time()
+    learners = []
+    for prefix in store.list_prefixes(keys.LEARNERS):
+        name = prefix[len(keys.LEARNERS):].strip("/")
+        if not keys.ID_PATTERN.match(name):
+            continue
+        hb = _json_or_none(store, keys.heartbeat_key(name)) or {}
+        ex = _json_or_none(store, keys.exit_key(name))
+        age = now - float(hb.get("time", 0)) if hb else None
+        state = "exited" if ex else ("alive" if age is not None and age < SILENT_AFTER_S else "silent")
+        learners.append({
+            "learner": name, "region": hb.get("region"), "state": state, "last_seen_s": age,
+            "step": hb.get("step"), "tokens": hb.get("tokens"), "tokens_per_s": hb.get("tokens_per_s"),
+            "loss": hb.get("loss"), "deltas_sent": (hb.get("uploads") or {}).get("deltas_sent"),
+            "upload_queue": hb.get("upload_queue"),
+        })
+    index, _ = runmod.read_index(store)
+    syncers = []
+    for key in store.list(keys.SYNCER + "status/"):
+        st = _json_or_none(store, key)
+        if st:
+            st["age_s"] = now - float(st.get("time", now))
+            syncers.append({k: st.get(k) for k in ("shard", "age_s", "versions", "pending", "counters",
+                                                   "ema_step_s", "ema_sync_s", "last_merge", "draining")})
+    return {"time": now, "url": store.url, "learners": learners, "versions": {str(p): v for p, v in sorted(index.items())},
+            "syncers": syncers}
+
+
+def render(snapshot: dict[str, Any], global_evals: list[dict[str, float]] | None = None):
+    from rich.table import Table
+
+    table = Table(title=f"ddiloco-geo {snapshot['url']}", expand=False)
+    for col in ("learner", "region", "state", "step", "loss", "tok/s", "deltas", "queue"):
+        table.add_column(col)
+    for l in snapshot["learners"]:
+        table.add_row(
+            l["learner"], str(l["region"] or "-"), l["state"], str(l["step"] or 0),
+            f"{l['loss']:.3f}" if isinstance(l["loss"], (int, float)) else "-",
+            f"{l['tokens_per_s']:.0f}" if isinstance(l["tokens_per_s"], (int, float)) else "-",
+            str(l["deltas_sent"] or 0), str(l["upload_queue"] or 0),
+        )
+    versions = snapshot["versions"]
+    caption = f"fragments={len(versions)} versions published={sum(versions.values())}"
+    for s in snapshot["syncers"]:
+        c = s.get("counters") or {}
+        caption += (f" | syncer {s['shard']}: merged={c.get('deltas_merged', 0)} rejected={c.get('deltas_rejected', 0)}"
+                    f" merges={c.get('merges', 0)}")
+    if global_evals:
+        caption += f" | global eval loss={global_evals[-1]['loss']:.3f}"
+    table.caption = caption
+    return table
+
+
+class LiveView:
+    """Context manager: a rich Live table on a terminal, else a plain line every few seconds."""
+
+    def __init__(self, store: Store, *, live: bool = True, plain_every_s: float = 5.0) -> None:
+        self.store = store
+        self.live = live and sys.stderr.isatty()
+        self.plain_every_s = plain_every_s
+        self._last_plain = 0.0
+        self._live = None
+
+    def __enter__(self) -> "LiveView":
+        if self.live:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(stderr=True), refresh_per_second=2, transient=False)
+            self._live.__enter__()
+        return self
+
+    def refresh(self, global_evals: list[dict[str, float]] | None = None) -> None:
+        try:
+            snap = collect(self.store)
+        except StorageError as exc:
+            log.debug("status_unavailable error=%s", exc)
+            return
+        if self._live is not None:
+            self._live.update(render(snap, global_evals))
+        elif time.monotonic() - self._last_plain > self.plain_every_s:
+            self._last_plain = time.monotonic()
+            parts = [f"{l['learner']}:step={l['step'] or 0},loss={l['loss'] if l['loss'] is None else round(l['loss'], 3)}"
+                     for l in snap["learners"]]
+            log.info("progress versions=%d %s", sum(snap["versions"].values()), " ".join(parts))
+
+    def __exit__(self, *exc) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", nargs="?", help="the run's --store URL")
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddiloco_geo.cli import settings_from
+    from ddiloco_geo.storage import open_store
+
+    settings, _ = settings_from(args, {"storage.url": args.url})
+    store = open_store(settings.storage)
+    try:
+        if args.json:
+            print(json.dumps(collect(store), indent=1, default=str))
+            return 0
+        from rich.console import Console
+
+        console = Console()
+        if not args.watch:
+            console.print(render(collect(store)))
+            return 0
+        with LiveView(store, live=True) as view:
+            while True:
+                view.refresh()
+                time.sleep(2)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        store.close()

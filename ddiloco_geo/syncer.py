@@ -1,0 +1,596 @@
+"""The syncer: merges learners' fragment deltas and publishes new global fragment versions.
+
+Decoupled DiLoCo (arXiv 2604.21428, section "syncer"), over a bucket. For every fragment p it owns
+(``--shard i/S``: the fragments with p % S == i) the syncer
+
+1. polls each learner's delta prefix (one list call per learner, ``start_after`` its cursor),
+   fetches new deltas with bounded concurrency and decodes them defensively; a delta that fails
+   any check is **rejected**: one log line, a counter, and a create-only record under
+   ``syncer/rejected/`` (reasons: the codec's, plus ``wrong_learner``, ``wrong_fragment``,
+   ``wrong_seq``, ``stale``, ``future_base``, ``no_steps``, ``norm``, ``unknown_base``);
+2. waits for a **quorum** of K distinct learners, then an **adaptive grace window**
+   ξ_grace = γ · max(0, τ·ξ_step − ξ_quorum − ξ_sync) (EMA-smoothed timings), so stragglers join
+   only inside the slack the learners' τ-step overlap leaves;
+3. **anchors** each delta at the current global: θ_m = Θ_base − pseudo_grad_m, so
+   Δ_m = Θ_current − θ_m = (Θ_current − Θ_base) + pseudo_grad_m (stale learners folded in correctly);
+4. merges with **token weights** w = tokens · (tokens / steps), **RDA** for non-embedding tensors
+   and the weighted mean for embeddings (`ddiloco_geo.merge`);
+5. applies **SGD + Nesterov** per fragment in fp32 (`ddiloco_geo.outer`);
+6. **publishes**: a create-only outer-state object (momentum, per-learner cursors), then the
+   create-only global ``globals/fPPP/vVVVVVVVVVV.st`` whose header holds the merge record and the
+   state key, then the event tape entry, then the ``globals/HEAD`` index (compare-and-swap).
+
+Failure semantics. The global object's create-only write is the commit point: a version exists
+once that object exists, and no two objects can exist for one version (split brain is impossible
+by construction). If the create loses (another syncer, or our own lost response), the syncer reads
+the winner; if the winner's state key is not ours it adopts the winner's state and re-derives its
+pending deltas. A restarted syncer lists each fragment's versions, loads the newest global and the
+state it names, and resumes: cursors in the state say exactly which deltas are accounted for, so
+none is merged twice; a delta is accounted for only by a published merge record or a rejection
+record, so none is dropped. On SIGTERM it drains: one last poll, merges everything pending even
+below quorum, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import secrets
+import signal
+import statistics
+import time
+from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ddiloco_geo import codec, keys, merge, run as runmod
+from ddiloco_geo.clocks import VectorClock
+from ddiloco_geo.errors import CodecError, DdilocoError, NotFoundError, StorageError
+from ddiloco_geo.outer import OuterOptimizer
+from ddiloco_geo.storage import Store
+
+log = logging.getLogger(__name__)
+
+SYNCER_ACTOR = "syncer"
+HISTORY_VERSIONS = 4  # in-memory globals kept for anchoring; older bases are read from the bucket
+
+
+@dataclass
+class PendingDelta:
+    key: str
+    learner: str
+    seq: int
+    header: codec.Header
+    pseudo_grad: dict[str, torch.Tensor]
+    arrived_s: float
+
+
+@dataclass
+class FragmentState:
+    fragment: int
+    version: int
+    params: dict[str, torch.Tensor]
+    outer: OuterOptimizer
+    clock: VectorClock = field(default_factory=VectorClock)
+    consumed: dict[str, int] = field(default_factory=dict)  # learner -> highest seq accounted for
+    pending: list[PendingDelta] = field(default_factory=list)
+    history: OrderedDict = field(default_factory=OrderedDict)  # version -> params
+    norms: deque = field(default_factory=lambda: deque(maxlen=32))
+    round_open_s: float | None = None
+    quorum_s: float | None = None
+
+
+class Ema:
+    def __init__(self, decay: float, value: float | None = None) -> None:
+        self.decay = decay
+        self.value = value
+
+    def update(self, x: float) -> float:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+        return self.value
+
+    def get(self, default: float = 0.0) -> float:
+        return default if self.value is None else self.value
+
+
+class Syncer:
+    def __init__(
+        self,
+        store: Store,
+        spec: runmod.RunSpec,
+        *,
+        quorum: int,
+        grace_gamma: float,
+        ema_decay: float,
+        outer_lr: float,
+        outer_momentum: float,
+        nesterov: bool,
+        max_staleness: int,
+        max_norm_ratio: float,
+        poll_s: float,
+        fetch_concurrency: int,
+        shard: str,
+        is_embedding: Callable[[str], bool],
+        now: Callable[[], float] = time.monotonic,
+        **_ignored: Any,
+    ) -> None:
+        self.store = store
+        self.spec = spec
+        self.plan = spec.plan
+        self.quorum = quorum
+        self.grace_gamma = grace_gamma
+        self.outer_kwargs = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov}
+        self.max_staleness = max_staleness
+        self.max_norm_ratio = max_norm_ratio
+        self.poll_s = poll_s
+        self.fetch_concurrency = fetch_concurrency
+        self.shard_index, self.num_shards = (int(x) for x in shard.split("/"))
+        self.is_embedding = is_embedding
+        self.now = now
+        self.owned = [p for p in range(self.plan.num_fragments) if p % self.num_shards == self.shard_index]
+        self.fragments: dict[int, FragmentState] = {}
+        self.list_cursor: dict[str, str | None] = {}
+        self.bad_keys: set[str] = set()
+        self.ema_step = Ema(ema_decay)
+        self.ema_quorum = Ema(ema_decay)
+        self.ema_sync = Ema(ema_decay)
+        self.counters: dict[str, Any] = {
+            "deltas_seen": 0, "deltas_merged": 0, "deltas_superseded": 0, "deltas_rejected": 0,
+            "rejected_by_reason": defaultdict(int), "versions_published": 0, "publish_races_lost": 0,
+            "merges": 0, "contributors_total": 0, "grace_s_total": 0.0,
+        }
+        self.last_merge: dict[int, dict[str, Any]] = {}
+        self._stopping = False
+        self._draining = False
+        self._status_token: str | None = None
+        self._last_status_s = 0.0
+
+    # --- bootstrap and resume --------------------------------------------------------------------
+
+    def bootstrap(self, initial_params: dict[str, torch.Tensor]) -> None:
+        """Resume every owned fragment from the bucket, publishing version 0 where none exists."""
+        index, _ = runmod.read_index(self.store)
+        for p in self.owned:
+            latest = runmod.latest_version(self.store, p, hint=index.get(p))
+            if latest is None:
+                names = self.plan.fragments[p]
+                params = {n: initial_params[n].detach().to(torch.float32).clone() for n in names}
+                state = FragmentState(p, -1, params, OuterOptimizer(**self.outer_kwargs))
+                self.fragments[p] = state
+                self._publish(state, params, state.outer, {"kind": "init", "merged": []}, dict(state.consumed), VectorClock())
+            else:
+                self._adopt_published(p, latest)
+        runmod.advance_index(self.store, {p: s.version for p, s in self.fragments.items()})
+        learners = set().union(*(s.consumed for s in self.fragments.values()))
+        for learner in learners:
+            # resume listing after the lowest high-water mark over our fragments; later keys are
+            # filtered per fragment, so nothing is fetched twice
+            low = min(s.consumed.get(learner, -1) for s in self.fragments.values())
+            self.list_cursor[learner] = keys.delta_key(learner, low, 999) if low >= 0 else None
+        log.info("syncer_ready shard=%d/%d fragments=%d versions=%s", self.shard_index, self.num_shards,
+                 len(self.owned), {p: s.version for p, s in self.fragments.items()})
+
+    def _adopt_published(self, p: int, version: int) -> None:
+        header, params = runmod.read_global(self.store, self.spec, p, version)
+        outer = OuterOptimizer(**self.outer_kwargs)
+        consumed: dict[str, int] = {}
+        state_key = header.extra.get("state_key")
+        if state_key:
+            st_header, st_tensors = codec.decode(self.store.get(state_key), kind="state", run_id=self.spec.run_id)
+            outer.load_state_dict(_outer_state_from_wire(st_tensors, st_header))
+            consumed = {str(k): int(v) for k, v in st_header.extra.get("consumed", {}).items()}
+        old = self.fragments.get(p)
+        state = FragmentState(p, version, params, outer, clock=header.clock, consumed=consumed)
+        state.history[version] = params
+        if old is not None:  # keep deltas the winner did not account for
+            state.pending = [d for d in old.pending if d.seq > consumed.get(d.learner, -1)]
+            state.norms = old.norms
+        self.fragments[p] = state
+        log.info("fragment_adopted fragment=%d version=%d state=%s", p, version, state_key)
+
+    # --- polling ---------------------------------------------------------------------------------
+
+    async def poll_once(self) -> int:
+        """List and fetch new deltas; returns how many new delta keys were seen."""
+        prefixes = await asyncio.to_thread(self.store.list_prefixes, keys.LEARNERS)
+        learners = []
+        for prefix in prefixes:
+            name = prefix[len(keys.LEARNERS):].strip("/")
+            if keys.ID_PATTERN.match(name):
+                learners.append(name)
+            elif prefix not in self.bad_keys:
+                self.bad_keys.add(prefix)
+                self._count_reject("bad_key", prefix, None)
+        sem = asyncio.Semaphore(self.fetch_concurrency)
+        listings = await asyncio.gather(*(self._list_learner(l, sem) for l in learners))
+        todo = [k for keys_ in listings for k in keys_]
+        results = await asyncio.gather(*(self._fetch(k, sem) for k in todo))
+        for key, outcome in zip(todo, results):
+            self._accept_or_reject(key, outcome)
+        return len(todo)
+
+    async def _list_learner(self, learner: str, sem: asyncio.Semaphore) -> list[str]:
+        async with sem:
+            found = await asyncio.to_thread(
+                self.store.list, keys.deltas_dir(learner), self.list_cursor.get(learner)
+            )
+        out = []
+        for key in found:
+            self.list_cursor[learner] = key
+            try:
+                dk = keys.parse_delta_key(key)
+            except keys.LayoutError:
+                if key not in self.bad_keys:
+                    self.bad_keys.add(key)
+                    self._count_reject("bad_key", key, None)
+                continue
+            if dk.fragment not in self.fragments:
+                if dk.fragment >= self.plan.num_fragments:
+                    self._reject_delta(key, dk, "wrong_fragment", f"fragment {dk.fragment} not in plan")
+                continue
+            if dk.seq <= self.fragments[dk.fragment].consumed.get(dk.learner, -1):
+                continue
+            if any(d.key == key for d in self.fragments[dk.fragment].pending):
+                continue
+            out.append(key)
+        return out
+
+    async def _fetch(self, key: str, sem: asyncio.Semaphore) -> Any:
+        async with sem:
+            try:
+                data = await asyncio.to_thread(self.store.get, key)
+            except NotFoundError:
+                return CodecError("vanished", "listed but gone")
+            except StorageError as exc:
+                return exc
+        dk = keys.parse_delta_key(key)
+        try:
+            return await asyncio.to_thread(
+                codec.decode, data, kind="delta", run_id=self.spec.run_id, expect=self.plan.expect(dk.fragment)
+            )
+        except CodecError as exc:
+            return exc
+
+    def _accept_or_reject(self, key: str, outcome: Any) -> None:
+        dk = keys.parse_delta_key(key)
+        self.counters["deltas_seen"] += 1
+        if isinstance(outcome, StorageError) and not isinstance(outcome, NotFoundError):
+            # transient trouble after retries: leave it for the next poll, do not account it yet
+            self.counters["deltas_seen"] -= 1
+            self.list_cursor[dk.learner] = None if dk.seq == 0 else keys.delta_key(dk.learner, dk.seq - 1, 999)
+            log.warning("delta_fetch_failed key=%s error=%s action=retry_next_poll", key, outcome)
+            return
+        if isinstance(outcome, CodecError):
+            self._reject_delta(key, dk, outcome.reason, outcome.detail)
+            return
+        header, pseudo_grad = outcome
+        state = self.fragments[dk.fragment]
+        reason, detail = self._validate(dk, header, pseudo_grad, state)
+        if reason:
+            self._reject_delta(key, dk, reason, detail)
+            return
+        step_s = header.extra.get("step_s")
+        if isinstance(step_s, (int, float)) and 0 < step_s < 3600:
+            self.ema_step.update(float(step_s))
+        now = self.now()
+        if not state.pending:
+            state.round_open_s = now
+        state.pending.append(PendingDelta(key, dk.learner, dk.seq, header, pseudo_grad, now))
+
+    def _validate(self, dk: keys.DeltaKey, header: codec.Header, pg: dict[str, torch.Tensor],
+                  state: FragmentState) -> tuple[str | None, str]:
+        if header.learner != dk.learner:
+            return "wrong_learner", f"header says {header.learner!r}, prefix says {dk.learner!r}"
+        if header.fragment != dk.fragment:
+            return "wrong_fragment", f"header says {header.fragment}, key says {dk.fragment}"
+        if header.seq != dk.seq:
+            return "wrong_seq", f"header says {header.seq}, key says {dk.seq}"
+        if header.num_steps < 1 or header.num_tokens < 1:
+            return "no_steps", f"steps={header.num_steps} tokens={header.num_tokens}"
+        if header.base_version > state.version:
+            return "future_base", f"base {header.base_version} > current {state.version}"
+        if header.base_version < max(0, state.version - self.max_staleness):
+            return "stale", f"base {header.base_version} older than {state.version} - {self.max_staleness}"
+        norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in pg.values())))
+        if len(state.norms) >= 5:
+            median = statistics.median(state.norms)
+            if median > 0 and norm > self.max_norm_ratio * median:
+                return "norm", f"norm {norm:.3g} > {self.max_norm_ratio} x median {median:.3g}"
+        state.norms.append(norm)
+        return None, ""
+
+    def _reject_delta(self, key: str, dk: keys.DeltaKey, reason: str, detail: str) -> None:
+        self._count_reject(reason, key, detail)
+        record = {"key": key, "learner": dk.learner, "seq": dk.seq, "fragment": dk.fragment,
+                  "reason": reason, "detail": detail[:500], "at": time.time()}
+        try:
+            self.store.put_if_absent(keys.rejected_key(dk.learner, dk.seq, dk.fragment), json.dumps(record).encode())
+        except StorageError as exc:
+            log.warning("reject_record_failed key=%s error=%s", key, exc)
+        state = self.fragments.get(dk.fragment)
+        if state is not None:
+            state.consumed[dk.learner] = max(dk.seq, state.consumed.get(dk.learner, -1))
+
+    def _count_reject(self, reason: str, key: str, detail: str | None) -> None:
+        self.counters["deltas_rejected"] += 1
+        self.counters["rejected_by_reason"][reason] += 1
+        log.warning("delta_rejected reason=%s key=%s detail=%s", reason, key, detail or "")
+
+    # --- merging ---------------------------------------------------------------------------------
+
+    def grace_s(self, state: FragmentState) -> float:
+        slack = self.spec.overlap * self.ema_step.get() - self.ema_quorum.get() - self.ema_sync.get()
+        return self.grace_gamma * max(0.0, slack)
+
+    def ready(self, state: FragmentState, now: float) -> bool:
+        """Quorum reached and the grace window spent (or draining with anything pending)."""
+        if not state.pending:
+            return False
+        if self._draining:
+            return True
+        contributors = {d.learner for d in state.pending}
+        if len(contributors) < self.quorum:
+            return False
+        if state.quorum_s is None:
+            state.quorum_s = now
+            self.ema_quorum.update(now - (state.round_open_s or now))
+        return now >= state.quorum_s + self.grace_s(state)
+
+    def merge_ready(self) -> int:
+        merged = 0
+        for p in self.owned:
+            state = self.fragments[p]
+            if self.ready(state, self.now()):
+                self.merge_fragment(state)
+                merged += 1
+        return merged
+
+    def _base_params(self, state: FragmentState, version: int) -> dict[str, torch.Tensor]:
+        if version in state.history:
+            return state.history[version]
+        _, params = runmod.read_global(self.store, self.spec, state.fragment, version)
+        return params
+
+    def merge_fragment(self, state: FragmentState) -> bool:
+        start = self.now()
+        grace = 0.0 if state.quorum_s is None else max(0.0, start - state.quorum_s)
+        newest: dict[tuple[str, int], PendingDelta] = {}
+        superseded = []
+        for d in sorted(state.pending, key=lambda d: (d.learner, d.seq)):
+            slot = (d.learner, d.header.base_version)
+            if slot in newest:  # counters and pseudo-gradient are cumulative since the last adoption
+                superseded.append(newest[slot])
+            newest[slot] = d
+        contribs = list(newest.values())
+        anchored, weights, entries = [], [], []
+        for d in contribs:
+            try:
+                base = self._base_params(state, d.header.base_version)
+            except (DdilocoError, OSError) as exc:
+                self._reject_delta(d.key, keys.parse_delta_key(d.key), "unknown_base", str(exc))
+                continue
+            drift = {n: state.params[n] - base[n] for n in state.params}
+            anchored.append({n: drift[n] + d.pseudo_grad[n] for n in state.params})
+            w = merge.token_weight(d.header.num_tokens, d.header.num_steps)
+            weights.append(w)
+            entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
+                            "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w})
+        consumed = dict(state.consumed)
+        for d in state.pending:
+            consumed[d.learner] = max(d.seq, consumed.get(d.learner, -1))
+        if not anchored or sum(weights) <= 0:
+            state.pending.clear()
+            state.consumed = consumed
+            state.quorum_s = None
+            return False
+        delta = merge.merge_fragment(anchored, weights, self.is_embedding)
+        outer = OuterOptimizer(**self.outer_kwargs)
+        outer.load_state_dict(state.outer.state_dict())
+        new_params = outer.step(state.params, delta)
+        clock = state.clock
+        for d in contribs:
+            clock = clock.merge(d.header.clock)
+        record = {
+            "kind": "merge", "merged": entries, "superseded": [d.key for d in superseded],
+            "contributors": len({e["learner"] for e in entries}), "grace_s": grace,
+            "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
+        }
+        won = self._publish(state, new_params, outer, record, consumed, clock)
+        if won:
+            self.counters["deltas_merged"] += len(entries)
+            self.counters["deltas_superseded"] += len(superseded)
+            self.counters["merges"] += 1
+            self.counters["contributors_total"] += record["contributors"]
+            self.counters["grace_s_total"] += grace
+            self.ema_sync.update(self.now() - start)
+            self.last_merge[state.fragment] = {k: record[k] for k in ("contributors", "grace_s", "staleness")}
+            self.last_merge[state.fragment]["weights"] = {e["learner"]: e["weight"] for e in entries}
+        return won
+
+    def _publish(self, state: FragmentState, params: dict[str, torch.Tensor], outer: OuterOptimizer,
+                 record: dict[str, Any], consumed: dict[str, int], clock: VectorClock) -> bool:
+        """Commit a new version: state, then the global (the commit point), then tape and index."""
+        p, version = state.fragment, state.version + 1
+        clock = clock.tick(SYNCER_ACTOR)
+        token = secrets.token_hex(6)
+        state_key = keys.syncer_state_key(p, version, token)
+        tensors, outer_steps = _outer_state_to_wire(outer)
+        state_header = codec.Header(kind="state", run_id=self.spec.run_id, fragment=p, version=version, clock=clock,
+                                    extra={"consumed": consumed, "global": keys.global_key(p, version),
+                                           "outer_num_steps": outer_steps})
+        self.store.put_if_absent(state_key, codec.encode(tensors, state_header, codec="fp32"))
+        record = {**record, "state_key": state_key, "published_at": time.time()}
+        header = codec.Header(kind="global", run_id=self.spec.run_id, fragment=p, version=version, clock=clock,
+                              extra=record)
+        gkey = keys.global_key(p, version)
+        created = self.store.put_if_absent(gkey, codec.encode(params, header, codec="fp32"))
+        if not created:
+            winner = runmod.read_header(self.store, gkey)
+            if winner.extra.get("state_key") != state_key:
+                self.counters["publish_races_lost"] += 1
+                log.warning("publish_race_lost fragment=%d version=%d action=adopt_winner", p, version)
+                self.store.delete(state_key)
+                self._adopt_published(p, version)
+                return False
+        self.store.put_if_absent(keys.tape_key(p, version), json.dumps(
+            {"fragment": p, "version": version, "clock": json.loads(clock.to_json()), **record}, default=str).encode())
+        state.history[version] = params
+        while len(state.history) > HISTORY_VERSIONS:
+            state.history.popitem(last=False)
+        state.version, state.params, state.outer, state.clock = version, params, outer, clock
+        state.consumed = consumed
+        state.pending = [d for d in state.pending if d.seq > consumed.get(d.learner, -1)]
+        state.quorum_s = None
+        state.round_open_s = min((d.arrived_s for d in state.pending), default=None)
+        self.counters["versions_published"] += 1
+        if record.get("kind") == "merge":
+            runmod.advance_index(self.store, {p: version})
+            log.info("published fragment=%d version=%d contributors=%d weights=%s grace_s=%.3f",
+                     p, version, record["contributors"], [round(e["weight"]) for e in record["merged"]],
+                     record["grace_s"])
+        return True
+
+    # --- status ----------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        c = dict(self.counters)
+        c["rejected_by_reason"] = dict(c["rejected_by_reason"])
+        return {
+            "shard": f"{self.shard_index}/{self.num_shards}",
+            "time": time.time(),
+            "versions": {str(p): s.version for p, s in self.fragments.items()},
+            "pending": {str(p): len(s.pending) for p, s in self.fragments.items() if s.pending},
+            "ema_step_s": self.ema_step.get(), "ema_quorum_s": self.ema_quorum.get(),
+            "ema_sync_s": self.ema_sync.get(), "grace_gamma": self.grace_gamma,
+            "counters": c, "last_merge": {str(p): m for p, m in self.last_merge.items()},
+            "storage": self.store.stats.snapshot(),
+            "draining": self._draining,
+        }
+
+    def write_status(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_status_s < 2.0:
+            return
+        self._last_status_s = now
+        key = keys.syncer_status_key(self.shard_index, self.num_shards)
+        body = json.dumps(self.status(), default=str).encode()
+        for _ in range(3):
+            try:
+                self._status_token = self.store.cas(key, body, self._status_token)
+                return
+            except StorageError:
+                try:
+                    _, self._status_token = self.store.read_token(key)
+                except NotFoundError:
+                    self._status_token = None
+
+    # --- service loop ----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stopping = True
+
+    async def run(self, idle_exit_s: float | None = None) -> None:
+        last_activity = time.monotonic()
+        while not self._stopping:
+            try:
+                seen = await self.poll_once()
+                merged = await asyncio.to_thread(self.merge_ready)
+            except StorageError as exc:  # outage beyond the retry budget: keep serving, try again
+                log.warning("syncer_poll_failed error=%s action=retry", exc)
+                seen = merged = 0
+            if seen or merged:
+                last_activity = time.monotonic()
+            elif idle_exit_s and time.monotonic() - last_activity > idle_exit_s:
+                log.info("syncer_idle_exit idle_s=%.0f", idle_exit_s)
+                break
+            self.write_status()
+            await asyncio.sleep(self.poll_s)
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Account for every delta already written: one last poll, merge all pending."""
+        self._draining = True
+        for _ in range(3):
+            try:
+                await self.poll_once()
+                await asyncio.to_thread(self.merge_ready)
+                break
+            except StorageError as exc:
+                log.warning("syncer_drain_retry error=%s", exc)
+                await asyncio.sleep(self.poll_s)
+        self.write_status(force=True)
+        log.info("syncer_stopped counters=%s", json.dumps(self.status()["counters"]))
+
+
+def _outer_state_to_wire(outer: OuterOptimizer) -> tuple[dict[str, torch.Tensor], int]:
+    """Momentum buffers as fp32 tensors; the integer step count travels in the header."""
+    from ddiloco_geo.outer import NUM_STEPS_KEY
+
+    state = outer.state_dict()
+    steps = int(state.pop(NUM_STEPS_KEY))
+    return state, steps
+
+
+def _outer_state_from_wire(tensors: dict[str, torch.Tensor], header: codec.Header) -> dict[str, torch.Tensor]:
+    from ddiloco_geo.outer import NUM_STEPS_KEY
+
+    return {**tensors, NUM_STEPS_KEY: torch.tensor(int(header.extra.get("outer_num_steps", 0)), dtype=torch.int64)}
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quorum", type=int, help="minimum distinct learners K per merge")
+    p.add_argument("--shard", help="'i/S': own fragments p with p %% S == i")
+    p.add_argument("--grace-gamma", type=float, help="share of slack spent waiting for stragglers (0: no grace)")
+    p.add_argument("--idle-exit", type=float, help="exit after this many seconds without activity")
+
+
+def build_spec(settings) -> tuple[runmod.RunSpec, dict[str, torch.Tensor]]:
+    """The run spec and initial weights from the model settings (identical in every process)."""
+    from ddiloco_geo import fragments, model as modelmod
+
+    net = modelmod.build_model(settings.model)
+    params = {n: t.detach().to(torch.float32) for n, t in net.named_parameters()}
+    plan = fragments.plan_fragments(modelmod.param_shapes(net), settings.fragments.num_fragments)
+    spec = runmod.RunSpec(
+        run_id=settings.run_id, model=settings.model.model_dump(), plan=plan,
+        sync_every=settings.fragments.sync_every, overlap=settings.fragments.overlap,
+        codec=settings.learner.codec, block_size=settings.learner.block_size,
+    )
+    return spec, params
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddiloco_geo.cli import settings_from
+    from ddiloco_geo.model import is_embedding
+    from ddiloco_geo.storage import open_store
+
+    settings, _ = settings_from(args, {
+        "syncer.quorum": args.quorum, "syncer.shard": args.shard,
+        "syncer.grace_gamma": args.grace_gamma, "syncer.idle_exit_s": args.idle_exit,
+    })
+    cfg = settings.syncer
+    store = open_store(settings.storage)
+    spec, params = build_spec(settings)
+    spec = runmod.create_or_load_spec(store, spec)
+    patterns = settings.model.embedding_patterns
+    syncer = Syncer(store, spec, **cfg.model_dump(), is_embedding=lambda n: is_embedding(n, patterns))
+    syncer.bootstrap(params)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, syncer.request_stop)
+        await syncer.run(idle_exit_s=cfg.idle_exit_s)
+
+    asyncio.run(main())
+    if args.json:
+        print(json.dumps(syncer.status(), default=str))
+    store.close()
+    return 0

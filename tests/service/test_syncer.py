@@ -1,0 +1,265 @@
+"""The syncer on a real (memory://) store with a fake clock: quorum, grace, anchoring, weights,
+rejections, restart and the publish race."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from ddiloco_geo import codec, keys, merge, run as runmod
+from ddiloco_geo.outer import OuterOptimizer
+
+
+def poll(syncer) -> int:
+    return asyncio.run(syncer.poll_once())
+
+
+def pg_const(run, p: int, value: float) -> dict[str, torch.Tensor]:
+    return {n: torch.full(s, value) for n, s in run.spec.plan.expect(p).items()}
+
+
+def test_bootstrap_publishes_version_zero_of_every_fragment(tiny_run):
+    run = tiny_run()
+    syncer = run.syncer()
+    index, _ = runmod.read_index(run.store)
+    assert index == {p: 0 for p in range(run.spec.plan.num_fragments)}
+    for p in range(run.spec.plan.num_fragments):
+        params = run.fragment_params(p)
+        assert all(torch.equal(params[n], run.params[n]) for n in params)
+    assert syncer.counters["versions_published"] == run.spec.plan.num_fragments
+
+
+def test_quorum_waits_for_k_distinct_learners(tiny_run):
+    run = tiny_run(**{"syncer.quorum": 2, "syncer.grace_gamma": 0.0})
+    syncer = run.syncer()
+    run.write_delta("a", 0)
+    run.write_delta("a", 0)  # a second delta from the same learner does not make a quorum
+    poll(syncer)
+    assert syncer.merge_ready() == 0
+    run.write_delta("b", 0)
+    poll(syncer)
+    assert syncer.merge_ready() == 1
+    head = runmod.read_header(run.store, keys.global_key(0, 1))
+    assert head.extra["contributors"] == 2
+    assert len(head.extra["superseded"]) == 1  # a's older, cumulative delta
+
+
+def test_grace_window_spends_only_the_slack(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.5})
+    syncer = run.syncer()
+    syncer.ema_step.value = 1.0  # learners take 1 s per step; tau = 2 -> slack 2 s, grace 1 s
+    run.write_delta("a", 1)
+    poll(syncer)
+    state = syncer.fragments[1]
+    assert syncer.grace_s(state) == pytest.approx(1.0)
+    assert not syncer.ready(state, run.clock())  # quorum (K=1) reached, grace running
+    run.clock.t = 0.6
+    run.write_delta("b", 1)  # a straggler inside the window joins the merge
+    poll(syncer)
+    assert syncer.merge_ready() == 0
+    run.clock.t = 1.01
+    assert syncer.merge_ready() == 1
+    head = runmod.read_header(run.store, keys.global_key(1, 1))
+    assert head.extra["contributors"] == 2
+    # without slack there is no window at all
+    syncer.ema_step.value = 0.1
+    syncer.ema_sync.value = 0.5
+    assert syncer.grace_s(state) == 0.0
+
+
+def test_merge_applies_token_weighted_rda_and_nesterov(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.quorum": 2})
+    syncer = run.syncer()
+    p = 2
+    gen = torch.Generator().manual_seed(1)
+    pgs = [{n: torch.randn(s, generator=gen) for n, s in run.spec.plan.expect(p).items()} for _ in range(2)]
+    run.write_delta("a", p, pgs[0], steps=4, tokens=400)
+    run.write_delta("b", p, pgs[1], steps=8, tokens=400)
+    poll(syncer)
+    assert syncer.merge_ready() == 1
+    weights = [merge.token_weight(400, 4), merge.token_weight(400, 8)]
+    expected_delta = merge.merge_fragment(pgs, weights, syncer.is_embedding)
+    base = run.fragment_params(p, 0)
+    expected = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True).step(base, expected_delta)
+    got = run.fragment_params(p, 1)
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-6, atol=1e-7)
+    rec = runmod.read_header(run.store, keys.global_key(p, 1)).extra
+    assert [e["weight"] for e in rec["merged"]] == weights
+
+
+def test_stale_delta_is_anchored_at_the_current_global(tiny_run):
+    # outer lr 1, no momentum: a lone contributor's merge makes the global equal its parameters,
+    # so a stale learner's result shows whether it was rebuilt from its own base version
+    run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0})
+    syncer = run.syncer()
+    p = 0
+    run.write_delta("a", p, pg_const(run, p, 0.5))
+    poll(syncer)
+    syncer.merge_ready()
+    base0 = run.fragment_params(p, 0)
+    stale_pg = pg_const(run, p, -0.25)
+    run.write_delta("b", p, stale_pg, base_version=0)
+    poll(syncer)
+    syncer.merge_ready()
+    got = run.fragment_params(p, 2)
+    for n in got:
+        theta_b = base0[n] - stale_pg[n]
+        torch.testing.assert_close(got[n], theta_b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("garbage", "bad_header"),
+    ("truncated", "truncated"),
+    ("bitflip", "checksum"),
+    ("wrong_learner", "wrong_learner"),
+    ("wrong_fragment", "wrong_fragment"),
+    ("wrong_seq", "wrong_seq"),
+    ("future_base", "future_base"),
+    ("no_steps", "no_steps"),
+    ("wrong_shape", "shape"),
+    ("wrong_run", "run_id"),
+])
+def test_bad_deltas_are_rejected_with_a_recorded_reason(tiny_run, case, reason):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})
+    syncer = run.syncer()
+    p = 1
+    good = codec.encode(pg_const(run, p, 0.1), codec.Header(
+        kind="delta", run_id=run.spec.run_id, fragment=p, learner="evil", seq=0, base_version=0,
+        num_steps=4, num_tokens=64), codec="fp32")
+    kwargs: dict = {}
+    if case == "garbage":
+        kwargs["raw"] = (16).to_bytes(8, "little") + b"{not json at all" + b"\x00" * 64
+    elif case == "truncated":
+        kwargs["raw"] = good[: len(good) // 2]
+    elif case == "bitflip":
+        flipped = bytearray(good)
+        flipped[-3] ^= 0x40
+        kwargs["raw"] = bytes(flipped)
+    elif case == "wrong_learner":
+        kwargs["header_overrides"] = {"learner": "honest"}
+    elif case == "wrong_fragment":
+        kwargs["header_overrides"] = {"fragment": 0}  # tensors fit fragment 1, the header lies
+    elif case == "wrong_seq":
+        kwargs["header_overrides"] = {"seq": 5}
+    elif case == "future_base":
+        kwargs["base_version"] = 3
+    elif case == "no_steps":
+        kwargs["steps"] = 0
+    elif case == "wrong_shape":
+        kwargs["pseudo_grad"] = {n: torch.zeros(3) for n in run.spec.plan.expect(p)}
+    elif case == "wrong_run":
+        kwargs["header_overrides"] = {"run_id": "other-run"}
+    key = run.write_delta("evil", p, **kwargs)
+    honest = run.write_delta("honest", p)
+    poll(syncer)
+    syncer.merge_ready()
+    assert syncer.counters["rejected_by_reason"] == {reason: 1}
+    record = json.loads(run.store.get(keys.rejected_key("evil", 0, p)))
+    assert record["key"] == key and record["reason"] == reason
+    ledger = runmod.ledger(run.store)
+    assert ledger["deltas_unaccounted"] == 0
+    assert ledger["rejected_by_reason"] == {reason: 1}
+    merged = runmod.read_header(run.store, keys.global_key(p, 1)).extra["merged"]
+    assert [e["key"] for e in merged] == [honest]
+
+
+def test_stale_and_absurd_norm_deltas_are_rejected(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.max_staleness": 1, "syncer.max_norm_ratio": 10.0})
+    syncer = run.syncer()
+    p = 3
+    for _ in range(6):  # build a norm history and move the fragment to version 6
+        run.write_delta("a", p, pg_const(run, p, 0.01), base_version=syncer.fragments[p].version)
+        poll(syncer)
+        syncer.merge_ready()
+    run.write_delta("b", p, pg_const(run, p, 0.01), base_version=2)
+    run.write_delta("c", p, pg_const(run, p, 5.0), base_version=6)
+    poll(syncer)
+    syncer.merge_ready()
+    assert syncer.counters["rejected_by_reason"] == {"stale": 1, "norm": 1}
+
+
+def test_foreign_keys_in_a_learner_prefix_are_counted_once(tiny_run):
+    run = tiny_run()
+    syncer = run.syncer()
+    run.store.put_if_absent("learners/x/deltas/not-a-delta.bin", b"x")
+    poll(syncer)
+    poll(syncer)
+    assert syncer.counters["rejected_by_reason"] == {"bad_key": 1}
+
+
+def test_restart_resumes_exactly_and_never_merges_twice(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})
+    first = run.syncer()
+    for i in range(3):
+        for p in range(run.spec.plan.num_fragments):
+            run.write_delta("a", p, base_version=first.fragments[p].version)
+        poll(first)
+        first.merge_ready()
+    run.write_delta("a", 0, base_version=first.fragments[0].version)  # written, not yet seen
+    momentum = {p: first.fragments[p].outer.state_dict() for p in first.fragments}
+    versions = {p: s.version for p, s in first.fragments.items()}
+    del first  # "SIGKILL": nothing flushed beyond what is in the bucket
+
+    second = run.syncer()
+    assert {p: s.version for p, s in second.fragments.items()} == versions
+    for p, s in second.fragments.items():
+        for name, t in s.outer.state_dict().items():
+            assert torch.equal(t, momentum[p][name])
+    poll(second)
+    second.merge_ready()
+    ledger = runmod.ledger(run.store)
+    assert ledger["deltas_unaccounted"] == 0
+    assert ledger["deltas_merged"] == ledger["deltas_written"] == 13
+    merged_keys = [e["key"] for r in runmod.merge_records(run.store) for e in r.get("merged", [])]
+    assert len(merged_keys) == len(set(merged_keys)) == 13
+
+
+def test_crash_between_global_and_index_is_repaired(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})
+    first = run.syncer()
+    run.write_delta("a", 0)
+    poll(first)
+    first.merge_ready()
+    # simulate a crash after the global was written but before the index moved
+    body = json.dumps({"versions": {str(p): 0 for p in range(run.spec.plan.num_fragments)}}).encode()
+    _, token = run.store.read_token(keys.globals_index_key())
+    run.store.cas(keys.globals_index_key(), body, token)
+    second = run.syncer()
+    assert second.fragments[0].version == 1
+    assert runmod.read_index(run.store)[0][0] == 1
+
+
+def test_two_syncers_never_publish_two_objects_for_one_version(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})
+    s1, s2 = run.syncer(), run.syncer()
+    run.write_delta("a", 0, pg_const(run, 0, 0.1))
+    poll(s1)
+    poll(s2)
+    # s2 computes the same version from a different view: give it an extra delta first
+    run.write_delta("b", 0, pg_const(run, 0, -0.3))
+    poll(s2)
+    assert s1.merge_ready() == 1
+    assert s2.merge_ready() == 1  # it tries, loses the create, adopts the winner
+    assert s2.counters["publish_races_lost"] == 1
+    assert runmod.list_versions(run.store, 0) == [0, 1]
+    winner = runmod.read_header(run.store, keys.global_key(0, 1)).extra
+    assert [e["learner"] for e in winner["merged"]] == ["a"]
+    # the loser kept b's delta and merges it as version 2
+    assert s2.fragments[0].version == 1 and [d.learner for d in s2.fragments[0].pending] == ["b"]
+    s2.merge_ready()
+    assert runmod.list_versions(run.store, 0) == [0, 1, 2]
+    assert runmod.ledger(run.store)["deltas_unaccounted"] == 0
+
+
+def test_drain_merges_below_quorum(tiny_run):
+    run = tiny_run(**{"syncer.quorum": 3})
+    syncer = run.syncer()
+    run.write_delta("a", 0)
+    poll(syncer)
+    assert syncer.merge_ready() == 0
+    asyncio.run(syncer.drain())
+    assert runmod.ledger(run.store)["deltas_unaccounted"] == 0
