@@ -94,3 +94,12 @@ def test_explain_lists_every_leaf_with_its_source():
     assert rows["syncer.quorum"] == {"key": "syncer.quorum", "value": 2, "source": "cli"}
     assert rows["storage.url"]["source"] == "default"
     assert len(rows) > 40
+
+
+def test_every_key_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    settings, origin = config.load(environ={})
+    missing = [r["key"] for r in config.explain(settings, origin) if f"`{r['key']}`" not in doc]
+    assert not missing, f"add these keys to docs/configuration.md: {missing}"
