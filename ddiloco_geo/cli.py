@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("ddiloco_geo.learner", "run one learner (inner AdamW loop, posts deltas, adopts globals)"),
     "syncer": ("ddiloco_geo.syncer", "run the syncer (merges deltas, outer Nesterov step, publishes globals)"),
     "config": ("ddiloco_geo.cli", "show the resolved configuration and where each value came from"),
-    "selfcheck": ("ddiloco_geo.storage", "check a store: create-only, compare-and-swap, list, ranged get, delete"),
+    "selfcheck": ("ddiloco_geo.selfcheck", "check a store: create-only, compare-and-swap, list, ranged get, delete"),
     "bench": ("ddiloco_geo.bench", "benchmarks that print JSON (codec, quality, bandwidth, overhead, syncer)"),
     "simulate": ("ddiloco_geo.sim", "goodput and bandwidth simulator at data-centre scale"),
     "wan-proxy": ("ddiloco_geo.wanproxy", "TCP proxy on 127.0.0.1 that adds delay and caps bandwidth"),

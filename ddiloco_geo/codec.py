@@ -69,7 +69,7 @@ from ddiloco_geo.keys import ID_PATTERN
 FORMAT_VERSION = 1
 FORMAT_KEY = "ddiloco.format"
 CODECS = ("fp32", "bf16", "int8", "int4")
-KINDS = ("delta", "global", "state", "checkpoint")
+KINDS = ("delta", "global", "update", "state", "checkpoint")
 DEFAULT_BLOCK_SIZE = 128
 MAX_BLOCK_SIZE = 1 << 16
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit

@@ -117,7 +117,9 @@ class SyncerConfig(Section):
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
     max_staleness: int = Field(8, ge=0, description="reject deltas whose base version is older than current - max_staleness")
-    max_norm_ratio: float = Field(50.0, gt=1, description="reject a delta whose norm exceeds this multiple of the fragment's running median")
+    max_norm_ratio: float = Field(50.0, gt=1, description="reject a delta whose per-step norm exceeds this multiple of the fragment's running median")
+    update_codec: Literal["none", "fp32", "bf16", "int8", "int4"] = Field(
+        "int4", description="codec of the per-version update objects learners download ('none': learners fetch full fp32 globals)")
     poll_s: float = Field(0.2, gt=0)
     fetch_concurrency: int = Field(8, ge=1)
     shard: str = Field("0/1", description="'i/S': this syncer owns fragments p with p % S == i")

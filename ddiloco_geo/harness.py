@@ -57,7 +57,8 @@ class InProcessRun:
             lcfg = self.settings.learner.model_copy(update={"id": f"learner-{i}"})
             dcfg = self.settings.data.model_copy(update={"shard": f"{i}/{M}"})
             s_i = self.settings.model_copy(update={"learner": lcfg, "data": dcfg})
-            learner = Learner(s_i, self.store, inline_io=True)
+            # each learner its own Store on the same bucket, so its bytes are counted on their own
+            learner = Learner(s_i, open_store(s_i.storage), inline_io=True)
             learner.join()
             learner.start_clock()
             self.learners.append(learner)
@@ -98,4 +99,6 @@ class InProcessRun:
 
     def close(self) -> None:
         self.loop.close()
+        for learner in self.learners:
+            learner.store.close()
         self.store.close()

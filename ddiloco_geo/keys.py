@@ -6,6 +6,7 @@ is numeric order::
 
     run.json                                         run spec (create-only, once)
     globals/f007/v0000000012.st                      global fragment 7, version 12 (create-only)
+    globals/f007/u0000000012.st                      compressed update from version 11 to 12 (create-only)
     globals/HEAD                                     index: newest version of every fragment (compare-and-swap)
     learners/<learner>/deltas/s000000000042-f007.st  learner's 42nd delta, for fragment 7 (create-only)
     learners/<learner>/heartbeat.json                liveness and throughput (compare-and-swap)
@@ -76,6 +77,11 @@ def fragment_dir(fragment: int) -> str:
 
 def global_key(fragment: int, version: int) -> str:
     return f"{fragment_dir(fragment)}v{_num(version, VERSION_DIGITS, 'version')}{TENSOR_SUFFIX}"
+
+
+def global_update_key(fragment: int, version: int) -> str:
+    """The compressed change from version - 1 to ``version`` (what learners usually download)."""
+    return f"{fragment_dir(fragment)}u{_num(version, VERSION_DIGITS, 'version')}{TENSOR_SUFFIX}"
 
 
 def globals_index_key() -> str:

@@ -164,16 +164,26 @@ class Uploader:
 
 
 class GlobalPoller:
-    """Background thread: polls ``globals/HEAD`` and downloads newer fragment versions."""
+    """Background thread: polls ``globals/HEAD`` and downloads newer fragment versions.
+
+    When it holds version v−k of a fragment (k ≤ ``MAX_UPDATE_CHAIN``) it downloads the syncer's
+    compressed update objects (int4 by default, ~1/8 of the bytes) and rebuilds the new version
+    from the one it holds; the result is checked bit for bit against the global's checksum, and any
+    mismatch or missing update falls back to the full fp32 global.
+    """
+
+    MAX_UPDATE_CHAIN = 4
 
     def __init__(self, store: Store, spec: runmod.RunSpec, poll_s: float, held: dict[int, int],
-                 inline: bool = False) -> None:
+                 current: dict[int, dict[str, torch.Tensor]], inline: bool = False) -> None:
         self.store, self.spec, self.poll_s = store, spec, poll_s
         self.known = dict(held)
+        self.current = dict(current)  # the tensors of each known version (shared, never mutated)
         self.inbox: dict[int, tuple[int, dict[str, torch.Tensor], VectorClock]] = {}
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
-        self.counters = {"globals_fetched": 0, "globals_rejected": 0, "poll_errors": 0}
+        self.counters = {"globals_fetched": 0, "updates_applied": 0, "update_fallbacks": 0,
+                         "globals_rejected": 0, "poll_errors": 0}
         self.thread = None
         if not inline:  # inline: the caller runs poll_once() itself
             self.thread = threading.Thread(target=self._loop, name="global-poller", daemon=True)
@@ -195,19 +205,46 @@ class GlobalPoller:
     def poll_once(self) -> None:
         index, _ = runmod.read_index(self.store)
         for p, v in sorted(index.items()):
-            if v <= self.known.get(p, -1) or p >= self.spec.plan.num_fragments:
+            held = self.known.get(p, -1)
+            if v <= held or p >= self.spec.plan.num_fragments:
                 continue
-            try:
-                header, tensors = runmod.read_global(self.store, self.spec, p, v)
-            except (CodecError, NotFoundError) as exc:
-                self.counters["globals_rejected"] += 1
-                log.warning("global_rejected fragment=%d version=%d reason=%s", p, v, exc)
-                self.known[p] = v
-                continue
+            fetched = None
+            if held >= 0 and v - held <= self.MAX_UPDATE_CHAIN and p in self.current:
+                fetched = self._via_updates(p, held, v)
+            if fetched is None:
+                try:
+                    header, tensors = runmod.read_global(self.store, self.spec, p, v)
+                    fetched = (tensors, header.clock)
+                    self.counters["globals_fetched"] += 1
+                except (CodecError, NotFoundError) as exc:
+                    self.counters["globals_rejected"] += 1
+                    log.warning("global_rejected fragment=%d version=%d reason=%s", p, v, exc)
+                    self.known[p] = v
+                    continue
             self.known[p] = v
-            self.counters["globals_fetched"] += 1
+            self.current[p] = fetched[0]
             with self.lock:
-                self.inbox[p] = (v, tensors, header.clock)
+                self.inbox[p] = (v, fetched[0], fetched[1])
+
+    def _via_updates(self, p: int, held: int, version: int):
+        tensors, clock = self.current[p], VectorClock()
+        try:
+            for v in range(held + 1, version + 1):
+                data = self.store.get(keys.global_update_key(p, v))
+                header, change = codec.decode(data, kind="update", run_id=self.spec.run_id,
+                                              expect=self.spec.plan.expect(p))
+                if header.fragment != p or header.version != v or header.base_version != v - 1:
+                    raise CodecError("bad_header", f"update {p}/{v} claims {header.fragment}/{header.version}")
+                tensors = {n: tensors[n] + change[n] for n in tensors}
+                if codec.checksum_of(tensors) != header.extra.get("global_checksum"):
+                    raise CodecError("checksum", f"rebuilt fragment {p} version {v} differs from the global")
+                clock = clock.merge(header.clock)
+        except (CodecError, NotFoundError) as exc:
+            self.counters["update_fallbacks"] += 1
+            log.debug("update_fallback fragment=%d version=%d reason=%s", p, version, exc)
+            return None
+        self.counters["updates_applied"] += version - held
+        return tensors, clock
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -296,7 +333,7 @@ class Learner:
                                      codec_name=self.spec.codec, block_size=self.spec.block_size, first_seq=first_seq,
                                      inline=self.inline_io)
             self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
-                                       inline=self.inline_io)
+                                       dict(self.base), inline=self.inline_io)
         log.info("learner_joined learner=%s run=%s fragments=%d versions=%s world=%d", self.learner_id,
                  self.spec.run_id, P, self.base_version, self.world)
 
@@ -350,10 +387,7 @@ class Learner:
             self.last_sent_step[p] = self.step
 
     def lr_at(self, step: int) -> float:
-        if self.cfg.warmup_steps and step < self.cfg.warmup_steps:
-            return self.cfg.lr * (step + 1) / self.cfg.warmup_steps
-        progress = min(1.0, (step - self.cfg.warmup_steps) / max(1, self.cfg.max_steps - self.cfg.warmup_steps))
-        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return lr_schedule(step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.max_steps)
 
     def train_step(self) -> float:
         x, y, num_tokens = self.reader.next_batch()
@@ -489,6 +523,14 @@ class Learner:
                 _, self._hb_token = self.store.read_token(key)
             except StorageError:
                 self._hb_token = None
+
+
+def lr_schedule(step: int, lr: float, warmup_steps: int, max_steps: int) -> float:
+    """Linear warmup, then cosine decay to a tenth of ``lr`` at ``max_steps``."""
+    if warmup_steps and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def default_learner_id() -> str:

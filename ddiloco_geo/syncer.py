@@ -56,7 +56,8 @@ from ddiloco_geo.storage import Store
 log = logging.getLogger(__name__)
 
 SYNCER_ACTOR = "syncer"
-HISTORY_VERSIONS = 4  # in-memory globals kept for anchoring; older bases are read from the bucket
+HISTORY_VERSIONS = 4
+RESIDUAL = "residual."  # state-object prefix of the update codec's error-feedback tensors  # in-memory globals kept for anchoring; older bases are read from the bucket
 
 
 @dataclass
@@ -82,6 +83,7 @@ class FragmentState:
     norms: deque = field(default_factory=lambda: deque(maxlen=32))
     round_open_s: float | None = None
     quorum_s: float | None = None
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback of update objects
 
 
 class Ema:
@@ -115,6 +117,7 @@ class Syncer:
         fetch_concurrency: int,
         shard: str,
         is_embedding: Callable[[str], bool],
+        update_codec: str = "int4",
         now: Callable[[], float] = time.monotonic,
         **_ignored: Any,
     ) -> None:
@@ -130,6 +133,7 @@ class Syncer:
         self.fetch_concurrency = fetch_concurrency
         self.shard_index, self.num_shards = (int(x) for x in shard.split("/"))
         self.is_embedding = is_embedding
+        self.update_codec = update_codec
         self.now = now
         self.owned = [p for p in range(self.plan.num_fragments) if p % self.num_shards == self.shard_index]
         self.fragments: dict[int, FragmentState] = {}
@@ -178,13 +182,16 @@ class Syncer:
         header, params = runmod.read_global(self.store, self.spec, p, version)
         outer = OuterOptimizer(**self.outer_kwargs)
         consumed: dict[str, int] = {}
+        residual: dict[str, torch.Tensor] = {}
         state_key = header.extra.get("state_key")
         if state_key:
             st_header, st_tensors = codec.decode(self.store.get(state_key), kind="state", run_id=self.spec.run_id)
-            outer.load_state_dict(_outer_state_from_wire(st_tensors, st_header))
+            residual = {k[len(RESIDUAL):]: v for k, v in st_tensors.items() if k.startswith(RESIDUAL)}
+            outer.load_state_dict(_outer_state_from_wire(
+                {k: v for k, v in st_tensors.items() if not k.startswith(RESIDUAL)}, st_header))
             consumed = {str(k): int(v) for k, v in st_header.extra.get("consumed", {}).items()}
         old = self.fragments.get(p)
-        state = FragmentState(p, version, params, outer, clock=header.clock, consumed=consumed)
+        state = FragmentState(p, version, params, outer, clock=header.clock, consumed=consumed, residual=residual)
         state.history[version] = params
         if old is not None:  # keep deltas the winner did not account for
             state.pending = [d for d in old.pending if d.seq > consumed.get(d.learner, -1)]
@@ -295,11 +302,12 @@ class Syncer:
             return "future_base", f"base {header.base_version} > current {state.version}"
         if header.base_version < max(0, state.version - self.max_staleness):
             return "stale", f"base {header.base_version} older than {state.version} - {self.max_staleness}"
-        norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in pg.values())))
-        if len(state.norms) >= 5:
+        # per inner step: a delta after 24 steps is larger than one after 1, but by at most ~24x
+        norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in pg.values()))) / header.num_steps
+        if len(state.norms) >= 8:
             median = statistics.median(state.norms)
             if median > 0 and norm > self.max_norm_ratio * median:
-                return "norm", f"norm {norm:.3g} > {self.max_norm_ratio} x median {median:.3g}"
+                return "norm", f"per-step norm {norm:.3g} > {self.max_norm_ratio} x median {median:.3g}"
         state.norms.append(norm)
         return None, ""
 
@@ -416,9 +424,13 @@ class Syncer:
         """Commit a new version: state, then the global (the commit point), then tape and index."""
         p, version = state.fragment, state.version + 1
         clock = clock.tick(SYNCER_ACTOR)
+        update, residual = None, state.residual
+        if record.get("kind") == "merge" and self.update_codec != "none":
+            update, params, residual = self._compress_update(state, params, version, clock)
         token = secrets.token_hex(6)
         state_key = keys.syncer_state_key(p, version, token)
         tensors, outer_steps = _outer_state_to_wire(outer)
+        tensors.update({RESIDUAL + n: t for n, t in residual.items()})
         state_header = codec.Header(kind="state", run_id=self.spec.run_id, fragment=p, version=version, clock=clock,
                                     extra={"consumed": consumed, "global": keys.global_key(p, version),
                                            "outer_num_steps": outer_steps})
@@ -436,13 +448,15 @@ class Syncer:
                 self.store.delete(state_key)
                 self._adopt_published(p, version)
                 return False
+        if update is not None:
+            self.store.put_if_absent(keys.global_update_key(p, version), update)
         self.store.put_if_absent(keys.tape_key(p, version), json.dumps(
             {"fragment": p, "version": version, "clock": json.loads(clock.to_json()), **record}, default=str).encode())
         state.history[version] = params
         while len(state.history) > HISTORY_VERSIONS:
             state.history.popitem(last=False)
         state.version, state.params, state.outer, state.clock = version, params, outer, clock
-        state.consumed = consumed
+        state.consumed, state.residual = consumed, residual
         state.pending = [d for d in state.pending if d.seq > consumed.get(d.learner, -1)]
         state.quorum_s = None
         state.round_open_s = min((d.arrived_s for d in state.pending), default=None)
@@ -453,6 +467,26 @@ class Syncer:
                      p, version, record["contributors"], [round(e["weight"]) for e in record["merged"]],
                      record["grace_s"])
         return True
+
+    def _compress_update(self, state: FragmentState, new_params: dict[str, torch.Tensor], version: int,
+                         clock: VectorClock) -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Quantize the change of this version for learners, with error feedback.
+
+        The published global is defined as old + dequantize(quantize(change + residual)), so a
+        learner holding the previous version reconstructs it bit for bit (checked against the
+        global's checksum); what quantization dropped is carried into the next update.
+        """
+        old = state.params
+        change = {n: new_params[n] - old[n] + state.residual.get(n, 0.0) for n in new_params}
+        header = codec.Header(kind="update", run_id=self.spec.run_id, fragment=state.fragment, version=version,
+                              base_version=state.version, clock=clock)
+        wire = codec.encode(change, header, codec=self.update_codec, block_size=self.spec.block_size)
+        _, sent = codec.decode(wire, kind="update", run_id=self.spec.run_id)
+        published = {n: old[n] + sent[n] for n in old}
+        residual = {n: change[n] - sent[n] for n in old}
+        header.extra = {"global_checksum": codec.checksum_of(published)}
+        wire = codec.encode(change, header, codec=self.update_codec, block_size=self.spec.block_size)
+        return wire, published, residual
 
     # --- status ----------------------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ def test_grace_window_spends_only_the_slack(tiny_run):
 
 
 def test_merge_applies_token_weighted_rda_and_nesterov(tiny_run):
-    run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.quorum": 2})
+    run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.quorum": 2, "syncer.update_codec": "fp32"})
     syncer = run.syncer()
     p = 2
     gen = torch.Generator().manual_seed(1)
@@ -94,7 +94,8 @@ def test_merge_applies_token_weighted_rda_and_nesterov(tiny_run):
 def test_stale_delta_is_anchored_at_the_current_global(tiny_run):
     # outer lr 1, no momentum: a lone contributor's merge makes the global equal its parameters,
     # so a stale learner's result shows whether it was rebuilt from its own base version
-    run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0})
+    run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
+                      "syncer.update_codec": "fp32"})
     syncer = run.syncer()
     p = 0
     run.write_delta("a", p, pg_const(run, p, 0.5))
@@ -171,12 +172,12 @@ def test_stale_and_absurd_norm_deltas_are_rejected(tiny_run):
     run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.max_staleness": 1, "syncer.max_norm_ratio": 10.0})
     syncer = run.syncer()
     p = 3
-    for _ in range(6):  # build a norm history and move the fragment to version 6
+    for _ in range(9):  # build a norm history and move the fragment to version 9
         run.write_delta("a", p, pg_const(run, p, 0.01), base_version=syncer.fragments[p].version)
         poll(syncer)
         syncer.merge_ready()
     run.write_delta("b", p, pg_const(run, p, 0.01), base_version=2)
-    run.write_delta("c", p, pg_const(run, p, 5.0), base_version=6)
+    run.write_delta("c", p, pg_const(run, p, 5.0), base_version=9)
     poll(syncer)
     syncer.merge_ready()
     assert syncer.counters["rejected_by_reason"] == {"stale": 1, "norm": 1}
@@ -263,3 +264,26 @@ def test_drain_merges_below_quorum(tiny_run):
     assert syncer.merge_ready() == 0
     asyncio.run(syncer.drain())
     assert runmod.ledger(run.store)["deltas_unaccounted"] == 0
+
+
+def test_update_objects_reconstruct_the_global_bit_for_bit(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})  # int4 updates by default
+    syncer = run.syncer()
+    p = 1
+    held = run.fragment_params(p, 0)
+    for v in range(1, 5):
+        run.write_delta("a", p, base_version=v - 1)
+        poll(syncer)
+        syncer.merge_ready()
+        header, change = codec.decode(run.store.get(keys.global_update_key(p, v)), kind="update",
+                                      run_id=run.spec.run_id, expect=run.spec.plan.expect(p))
+        assert header.base_version == v - 1 and header.codec == "int4"
+        held = {n: held[n] + change[n] for n in held}
+        published = run.fragment_params(p, v)
+        assert all(torch.equal(held[n], published[n]) for n in held)
+        assert codec.checksum_of(held) == header.extra["global_checksum"]
+    # error feedback: what int4 dropped is carried in the syncer state, not lost
+    assert any(float(t.abs().max()) > 0 for t in syncer.fragments[p].residual.values())
+    again = run.syncer()
+    for n, t in syncer.fragments[p].residual.items():
+        assert torch.equal(again.fragments[p].residual[n], t)
