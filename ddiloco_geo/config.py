@@ -107,6 +107,7 @@ class LearnerConfig(Section):
     join_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the run and its first globals")
     flush_deadline_s: float = Field(20.0, gt=0, description="time allowed to flush deltas on exit or preemption notice (fits GCE's 30 s)")
     log_every: int = Field(10, ge=1, description="steps between progress lines")
+    sync_enabled: bool = Field(True, description="false: train alone after the first pull (no deltas, no polling); the overhead benchmark's baseline")
 
 
 class SyncerConfig(Section):
@@ -143,6 +144,16 @@ class LocalConfig(Section):
     fresh: bool = Field(True, description="start a new run (wipe a local store) instead of joining one")
 
 
+class AgentConfig(Section):
+    """Preemption notices: the learner stops stepping, flushes, checkpoints and exits 0."""
+
+    provider: Literal["none", "auto", "aws", "gce"] = Field("none", description="cloud metadata to watch for spot/preemption notices ('auto' probes both); SIGTERM is always watched")
+    metadata_url: str | None = Field(None, description="metadata server URL (default: the cloud's link-local address)")
+    poll_s: float = Field(1.0, gt=0, description="interval between metadata polls (GCE long-polls)")
+    act_on_rebalance: bool = Field(True, description="treat an AWS rebalance recommendation as a notice")
+    checkpoint: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
+
+
 class MetricsConfig(Section):
     address: str | None = Field(None, description="host:port for Prometheus metrics and /healthz (127.0.0.1 only by default)")
 
@@ -161,6 +172,7 @@ class Settings(BaseSettings):
     syncer: SyncerConfig = Field(default_factory=SyncerConfig)
     local: LocalConfig = Field(default_factory=LocalConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Settings":

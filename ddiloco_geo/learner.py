@@ -49,6 +49,11 @@ from ddiloco_geo.storage import Store
 log = logging.getLogger(__name__)
 
 
+CKPT_PARAM = "param."
+CKPT_EXP_AVG = "adam.exp_avg."
+CKPT_EXP_AVG_SQ = "adam.exp_avg_sq."
+
+
 @dataclass
 class Outgoing:
     fragment: int
@@ -324,6 +329,7 @@ class Learner:
         self.last_sent_step = [0] * P
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
+        self.resumed_from = self._resume(index if self.rank == 0 else {})
         self.ddp = None
         if self.world > 1:
             self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
@@ -333,7 +339,7 @@ class Learner:
                                      codec_name=self.spec.codec, block_size=self.spec.block_size, first_seq=first_seq,
                                      inline=self.inline_io)
             self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
-                                       dict(self.base), inline=self.inline_io)
+                                       dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled)
         log.info("learner_joined learner=%s run=%s fragments=%d versions=%s world=%d", self.learner_id,
                  self.spec.run_id, P, self.base_version, self.world)
 
@@ -343,6 +349,114 @@ class Learner:
 
             for t in self.model.parameters():
                 dist.broadcast(t.data, src=0)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def _gather_cursors(self) -> list[dict]:
+        cursor = self.reader.state_dict()
+        if self.world == 1:
+            return [cursor]
+        import torch.distributed as dist
+
+        out: list = [None] * self.world
+        dist.all_gather_object(out, cursor)  # between this learner's own ranks, never from a bucket
+        return out
+
+    def write_checkpoint(self, cursors: list[dict]) -> str | None:
+        """Local parameters, AdamW moments, counters, data cursors and clock (rank 0, create-only)."""
+        names = [n for n, _ in self.model.named_parameters()]
+        tensors = {CKPT_PARAM + n: t for n, t in self.modelmod.get_tensors(self.model, names).items()}
+        adam_steps = {}
+        for name, param in self.model.named_parameters():
+            st = self.optimizer.state.get(param)
+            if st:
+                tensors[CKPT_EXP_AVG + name] = st["exp_avg"].detach().float().cpu()
+                tensors[CKPT_EXP_AVG_SQ + name] = st["exp_avg_sq"].detach().float().cpu()
+                adam_steps[name] = float(st["step"])
+        header = codec.Header(
+            kind="checkpoint", run_id=self.spec.run_id, learner=self.learner_id, seq=self.uploader.next_seq,
+            clock=self.clock, num_steps=self.step, num_tokens=self.tokens_total,
+            extra={"base_version": self.base_version, "c_steps": self.c_steps, "c_tokens": self.c_tokens,
+                   "last_sent_step": self.last_sent_step, "cursors": cursors, "adam_steps": adam_steps,
+                   "world": self.world, "plan_digest": self.spec.plan.digest(), "reason": self.stop_reason},
+        )
+        data = codec.encode(tensors, header, codec="fp32")
+        existing = self.store.list(keys.checkpoints_dir(self.learner_id))
+        number = len(existing)
+        while not self.store.put_if_absent(keys.checkpoint_key(self.learner_id, number), data):
+            number += 1
+        key = keys.checkpoint_key(self.learner_id, number)
+        log.info("checkpoint_written learner=%s key=%s bytes=%d", self.learner_id, key, len(data))
+        return key
+
+    def _resume(self, index: dict[int, int]) -> str | None:
+        """Continue from this learner's newest checkpoint: its data cursors, step count and AdamW
+        moments always; its parameters and counters too when its base versions are within the
+        syncer's staleness bound of the current globals (else it keeps the latest globals)."""
+        found = self._latest_checkpoint() if self.rank == 0 else None
+        plan: list = [None]
+        if found is not None:
+            key, header, _ = found
+            ex = header.extra
+            usable = ex.get("plan_digest") == self.spec.plan.digest() and ex.get("world") == self.world
+            stale = self.settings.syncer.max_staleness
+            compatible = usable and all(int(ex["base_version"][p]) >= index[p] - stale for p in index)
+            if not usable:
+                log.warning("checkpoint_ignored key=%s reason=plan_or_world_changed", key)
+            else:
+                plan[0] = {"key": key, "compatible": compatible, "step": header.num_steps,
+                           "tokens": header.num_tokens, **{k: ex[k] for k in
+                           ("cursors", "c_steps", "c_tokens", "last_sent_step", "adam_steps", "base_version")}}
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(plan, src=0)  # among this learner's own ranks, never from a bucket
+        info = plan[0]
+        if info is None:
+            return None
+        self.reader.load_state_dict(info["cursors"][self.rank])
+        self.step, self.tokens_total = int(info["step"]), int(info["tokens"])
+        tensors = found[2] if found is not None else {}
+        if info["compatible"]:
+            if self.rank == 0:
+                params = {n[len(CKPT_PARAM):]: t for n, t in tensors.items() if n.startswith(CKPT_PARAM)}
+                self.modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in params.items()})
+                self.clock = self.clock.merge(found[1].clock)
+                for p, v in enumerate(info["base_version"]):
+                    if int(v) != self.base_version[p]:
+                        self.base[p] = runmod.read_global(self.store, self.spec, p, int(v))[1]
+                        self.base_version[p] = int(v)
+            self._broadcast_model()
+            self.c_steps = [int(x) for x in info["c_steps"]]
+            self.c_tokens = [int(x) for x in info["c_tokens"]]
+            self.last_sent_step = [int(x) for x in info["last_sent_step"]]
+        self._restore_adam(tensors, info["adam_steps"])
+        log.info("learner_resumed learner=%s checkpoint=%s step=%d params=%s", self.learner_id, info["key"],
+                 self.step, "checkpoint" if info["compatible"] else "latest globals")
+        return info["key"]
+
+    def _latest_checkpoint(self):
+        for key in reversed(self.store.list(keys.checkpoints_dir(self.learner_id))):
+            try:
+                return (key, *codec.decode(self.store.get(key), kind="checkpoint", run_id=self.spec.run_id))
+            except (CodecError, NotFoundError) as exc:
+                log.warning("checkpoint_unusable key=%s reason=%s", key, exc)
+        return None
+
+    def _restore_adam(self, tensors: dict[str, torch.Tensor], adam_steps: dict[str, float]) -> None:
+        for name, param in self.model.named_parameters():
+            if name not in adam_steps:
+                continue
+            moments = []
+            for prefix in (CKPT_EXP_AVG, CKPT_EXP_AVG_SQ):
+                t = tensors[prefix + name].to(self.device) if self.rank == 0 else torch.empty_like(param, dtype=torch.float32)
+                if self.world > 1:
+                    import torch.distributed as dist
+
+                    dist.broadcast(t, src=0)
+                moments.append(t.to(param.dtype))
+            self.optimizer.state[param] = {"step": torch.tensor(float(adam_steps[name])),
+                                           "exp_avg": moments[0], "exp_avg_sq": moments[1]}
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -460,7 +574,7 @@ class Learner:
         self.step_ema = dt if self.step_ema is None else 0.9 * self.step_ema + 0.1 * dt
         self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         if self.rank == 0:
-            for p in self.schedule.due(self.step):
+            for p in self.schedule.due(self.step) if self.cfg.sync_enabled else ():
                 self.send(p, self.step_ema)
             if self.step % self.cfg.log_every == 0:
                 self.history.append({"step": self.step, "tokens": self.tokens_total, "loss": self.loss_ema,
@@ -475,18 +589,26 @@ class Learner:
         return True
 
     def finish(self) -> dict[str, Any]:
-        """Flush a delta for every fragment with unsent work, drain the uploader, deregister."""
+        """Flush a delta for every fragment with unsent work, checkpoint, drain the uploader,
+        deregister; all within ``flush_deadline_s``."""
+        cursors = self._gather_cursors() if self.settings.agent.checkpoint else []
         if self.rank != 0:
             return {}
         t0 = time.monotonic()
-        for p in range(len(self.c_steps)):
+        for p in range(len(self.c_steps)) if self.cfg.sync_enabled else ():
             if self.step > self.last_sent_step[p]:
                 self.send(p, 0.0)
-        flushed = self.uploader.close(self.cfg.flush_deadline_s)
+        checkpoint = None
+        if self.settings.agent.checkpoint:
+            try:
+                checkpoint = self.write_checkpoint(cursors)
+            except StorageError as exc:
+                log.warning("checkpoint_failed error=%s", exc)
+        flushed = self.uploader.close(max(0.0, self.cfg.flush_deadline_s - (time.monotonic() - t0)))
         self.poller.stop()
         summary = self._status(None)
         summary.update({"reason": self.stop_reason, "flushed": flushed, "flush_s": time.monotonic() - t0,
-                        "history": self.history})
+                        "checkpoint": checkpoint, "resumed_from": self.resumed_from, "history": self.history})
         try:
             token = None
             try:
@@ -564,8 +686,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-
+    from ddiloco_geo.agent import PreemptionWatcher
     from ddiloco_geo.cli import settings_from
     from ddiloco_geo.storage import open_store
 
@@ -584,10 +705,17 @@ def run(args: argparse.Namespace) -> int:
             settings.learner.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     store = open_store(settings.storage) if rank == 0 else None
     learner = Learner(settings, store, rank=rank, world=world)
-    signal.signal(signal.SIGTERM, lambda *_: learner.request_stop("sigterm"))
-    signal.signal(signal.SIGINT, lambda *_: learner.request_stop("sigint"))
-    learner.join()
-    summary = learner.run()
+    agent = settings.agent
+    watcher = PreemptionWatcher(provider=agent.provider if rank == 0 else "none", metadata_url=agent.metadata_url,
+                                poll_s=agent.poll_s, act_on_rebalance=agent.act_on_rebalance,
+                                on_notice=lambda notice: learner.request_stop(notice.source))
+    watcher.install_signal_handlers(sigint=True)
+    watcher.start()
+    try:
+        learner.join()
+        summary = learner.run()
+    finally:
+        watcher.stop()
     if args.json and rank == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "history"}, default=str))
     if store is not None:

@@ -380,7 +380,8 @@ def learner_metrics(reg: Registry) -> LearnerMetrics:
         upload_queue_depth=reg.gauge(p + "upload_queue_depth", "Deltas waiting for upload."),
         upload_drops_total=reg.counter(
             p + "upload_drops_total",
-            "Deltas not uploaded: coalesced into a newer delta of the same fragment, or dropped when the queue was full.",
+            "Deltas never uploaded: coalesced (replaced in the queue by a newer cumulative delta of the "
+            "same fragment, no work lost) or dropped (oldest evicted from a full queue).",
             labels=("reason",)),
         adoption_lag_versions=reg.gauge(
             p + "adoption_lag_versions", "Latest published version minus the version this learner last adopted.",
@@ -443,8 +444,9 @@ def _storage_counters(reg: Registry, component: str) -> dict[str, Counter]:
         "requests": reg.counter(p + "requests_total", "Storage request attempts, by operation.", labels=("op",)),
         "retries": reg.counter(p + "retries_total", "Transient storage failures retried, by reason.",
                                labels=("reason",)),
-        "errors": reg.counter(p + "errors_total", "Storage failures raised to the caller, by reason.",
-                              labels=("reason",)),
+        "errors": reg.counter(p + "errors_total",
+                              "Storage failures given up on (retries exhausted or not retryable; not-found and "
+                              "lost compare-and-swap excluded), by reason.", labels=("reason",)),
     }
 
 
@@ -587,6 +589,12 @@ class MetricsServer:
             await self._stop_event.wait()
         finally:
             if self._runner is not None:
+                # Let connections the kernel has already accepted reach their protocol before the
+                # listener closes: on Python 3.11 a connection accepted in the same loop turn as
+                # Server.close() fails transport creation and leaks its socket.
+                await asyncio.sleep(0.01)
+                for _ in range(3):
+                    await asyncio.sleep(0)
                 await self._runner.cleanup()
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:

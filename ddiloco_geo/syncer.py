@@ -381,8 +381,7 @@ class Syncer:
             except (DdilocoError, OSError) as exc:
                 self._reject_delta(d.key, keys.parse_delta_key(d.key), "unknown_base", str(exc))
                 continue
-            drift = {n: state.params[n] - base[n] for n in state.params}
-            anchored.append({n: drift[n] + d.pseudo_grad[n] for n in state.params})
+            anchored.append(anchor(state.params, base, d.pseudo_grad))
             w = merge.token_weight(d.header.num_tokens, d.header.num_steps)
             weights.append(w)
             entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
@@ -395,10 +394,8 @@ class Syncer:
             state.consumed = consumed
             state.quorum_s = None
             return False
-        delta = merge.merge_fragment(anchored, weights, self.is_embedding)
-        outer = OuterOptimizer(**self.outer_kwargs)
-        outer.load_state_dict(state.outer.state_dict())
-        new_params = outer.step(state.params, delta)
+        new_params, outer = merge_and_step(state.params, state.outer, anchored, weights, self.is_embedding,
+                                           self.outer_kwargs)
         clock = state.clock
         for d in contribs:
             clock = clock.merge(d.header.clock)
@@ -470,23 +467,10 @@ class Syncer:
 
     def _compress_update(self, state: FragmentState, new_params: dict[str, torch.Tensor], version: int,
                          clock: VectorClock) -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Quantize the change of this version for learners, with error feedback.
-
-        The published global is defined as old + dequantize(quantize(change + residual)), so a
-        learner holding the previous version reconstructs it bit for bit (checked against the
-        global's checksum); what quantization dropped is carried into the next update.
-        """
-        old = state.params
-        change = {n: new_params[n] - old[n] + state.residual.get(n, 0.0) for n in new_params}
         header = codec.Header(kind="update", run_id=self.spec.run_id, fragment=state.fragment, version=version,
                               base_version=state.version, clock=clock)
-        wire = codec.encode(change, header, codec=self.update_codec, block_size=self.spec.block_size)
-        _, sent = codec.decode(wire, kind="update", run_id=self.spec.run_id)
-        published = {n: old[n] + sent[n] for n in old}
-        residual = {n: change[n] - sent[n] for n in old}
-        header.extra = {"global_checksum": codec.checksum_of(published)}
-        wire = codec.encode(change, header, codec=self.update_codec, block_size=self.spec.block_size)
-        return wire, published, residual
+        return compress_update(state.params, new_params, state.residual, header, self.update_codec,
+                               self.spec.block_size)
 
     # --- status ----------------------------------------------------------------------------------
 
@@ -558,6 +542,44 @@ class Syncer:
                 await asyncio.sleep(self.poll_s)
         self.write_status(force=True)
         log.info("syncer_stopped counters=%s", json.dumps(self.status()["counters"]))
+
+
+# --- the merge as pure functions (shared with replay) ---------------------------------------------
+
+
+def anchor(current: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
+           pseudo_grad: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Δ = Θ_current − θ_learner with θ_learner = Θ_base − pseudo_grad (Appendix D.2 anchoring)."""
+    return {n: (current[n] - base[n]) + pseudo_grad[n] for n in current}
+
+
+def merge_and_step(params: dict[str, torch.Tensor], outer: OuterOptimizer, anchored: list[dict[str, torch.Tensor]],
+                   weights: list[float], is_embedding: Callable[[str], bool],
+                   outer_kwargs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
+    """Token-weighted RDA (mean for embeddings), then one outer Nesterov step on a copy of ``outer``."""
+    delta = merge.merge_fragment(anchored, weights, is_embedding)
+    stepped = OuterOptimizer(**outer_kwargs)
+    stepped.load_state_dict(outer.state_dict())
+    return stepped.step(params, delta), stepped
+
+
+def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], residual: dict[str, torch.Tensor],
+                    header: codec.Header, codec_name: str, block_size: int
+                    ) -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Quantize a version's change for learners, with error feedback.
+
+    The published global is defined as old + dequantize(quantize(change + residual)), so a learner
+    holding the previous version rebuilds it bit for bit (checked against the global's checksum);
+    what quantization dropped is carried into the next update. Returns (wire bytes, published
+    params, new residual).
+    """
+    change = {n: new[n] - old[n] + residual.get(n, 0.0) for n in new}
+    wire = codec.encode(change, header, codec=codec_name, block_size=block_size)
+    _, sent = codec.decode(wire, kind="update", run_id=header.run_id)
+    published = {n: old[n] + sent[n] for n in old}
+    new_residual = {n: change[n] - sent[n] for n in old}
+    header.extra = {**header.extra, "global_checksum": codec.checksum_of(published)}
+    return codec.encode(change, header, codec=codec_name, block_size=block_size), published, new_residual
 
 
 def _outer_state_to_wire(outer: OuterOptimizer) -> tuple[dict[str, torch.Tensor], int]:

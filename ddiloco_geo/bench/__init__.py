@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 
 BENCHMARKS = {
     "codec": "encode/decode throughput and wire size of each codec vs a memory copy",
@@ -29,4 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.verbose:  # the services' per-merge and per-step lines would drown the progress lines
+        for name in ("ddiloco_geo.syncer", "ddiloco_geo.learner", "ddiloco_geo.run"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     return importlib.import_module(f"ddiloco_geo.bench.{args.benchmark}").run(args)

@@ -1,0 +1,155 @@
+"""Spot learners as real processes: a preemption notice (fake AWS/GCE metadata server) or SIGTERM
+makes a learner flush, checkpoint and exit 0; a restarted learner resumes from its checkpoint; a
+never-seen learner joins a running job and is merged within two fragment periods."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddiloco_geo import config, keys, run as runmod
+from ddiloco_geo.storage import open_store
+from tests.agent.fake_metadata import FakeMetadata
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = (
+    '[model]\nname = "nano"\n[data]\nmax_bytes = 400000\n[fragments]\nnum_fragments = 8\nsync_every = 8\n'
+    '[learner]\nmax_steps = 100000\nlog_every = 4\nheartbeat_s = 0.3\n'
+)
+
+
+class Job:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.url = f"file://{tmp_path / 'store'}"
+        self.settings = tmp_path / "settings.toml"
+        self.settings.write_text(SETTINGS)
+        self.env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.procs: list[subprocess.Popen] = []
+        self.store = open_store(config.load(cli={"storage": {"url": self.url}}, environ={})[0].storage)
+
+    def start(self, role: str, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{role}-{len(self.procs)}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "ddiloco_geo", role, "--config", str(self.settings),
+                                 "--store", self.url, *args], cwd=self.tmp, env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def heartbeat(self, learner: str) -> dict:
+        try:
+            return json.loads(self.store.get(keys.heartbeat_key(learner)))
+        except Exception:
+            return {}
+
+    def wait_step(self, learner: str, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (self.heartbeat(learner).get("step") or 0) >= step:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"{learner} did not reach step {step}; log: {self.logs()}")
+
+    def exit_record(self, learner: str) -> dict:
+        return json.loads(self.store.get(keys.exit_key(learner)))
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text()[-1500:] for p in sorted(self.tmp.glob("*.log")))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.store.close()
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = Job(tmp_path)
+    yield j
+    j.stop()
+
+
+def test_spot_notice_flushes_checkpoints_and_exits_zero_then_resumes(job):
+    metadata = FakeMetadata(cloud="aws").start()
+    try:
+        syncer = job.start("syncer")
+        learner = job.start("learner", "--id", "spot-1", "--set", "agent.provider=aws",
+                            "--set", f"agent.metadata_url={metadata.url}", "--set", "agent.poll_s=0.2")
+        job.wait_step("spot-1", 20)
+        noticed = time.monotonic()
+        metadata.trigger_spot(action="terminate")
+        assert learner.wait(timeout=60) == 0, job.logs()
+        notice_to_exit = time.monotonic() - noticed
+        first = job.exit_record("spot-1")
+        assert first["reason"] == "aws-spot"
+        assert first["flushed"] is True
+        assert first["checkpoint"].startswith("learners/spot-1/checkpoints/")
+        assert notice_to_exit < 30, notice_to_exit  # fits GCE's 30 s notice
+        # every fragment's unsent work was flushed: the last delta of each fragment is at the last step
+        headers = [runmod.read_header(job.store, k) for k in job.store.list(keys.deltas_dir("spot-1"))]
+        last = {}
+        for h in headers:
+            last[h.fragment] = max(last.get(h.fragment, 0), h.extra["step"])
+        assert set(last) == set(range(8)) and set(last.values()) == {first["step"]}
+
+        # the same learner restarted (a new spot VM) resumes from its checkpoint
+        again = job.start("learner", "--id", "spot-1")
+        job.wait_step("spot-1", first["step"] + 10)
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(timeout=60) == 0, job.logs()
+        second = job.exit_record("spot-1")
+        assert second["resumed_from"] == first["checkpoint"]
+        assert second["reason"] == "sigterm"
+        assert second["step"] > first["step"]
+        seqs = [keys.parse_delta_key(k).seq for k in job.store.list(keys.deltas_dir("spot-1"))]
+        assert seqs == list(range(len(seqs)))  # the sequence continues across incarnations
+        syncer.send_signal(signal.SIGTERM)
+        assert syncer.wait(timeout=120) == 0, job.logs()
+        ledger = runmod.ledger(job.store)
+        assert ledger["deltas_unaccounted"] == 0 and ledger["deltas_merged"] == len(seqs)
+    finally:
+        metadata.stop()
+
+
+def test_gce_preemption_notice(job):
+    metadata = FakeMetadata(cloud="gce").start()
+    try:
+        job.start("syncer")
+        learner = job.start("learner", "--id", "gce-1", "--set", "agent.provider=gce",
+                            "--set", f"agent.metadata_url={metadata.url}")
+        job.wait_step("gce-1", 10)
+        metadata.preempt()
+        assert learner.wait(timeout=60) == 0, job.logs()
+        assert job.exit_record("gce-1")["reason"] == "gce-preempted"
+    finally:
+        metadata.stop()
+
+
+def test_scavenged_learner_is_merged_within_two_fragment_periods(job):
+    job.start("syncer")
+    job.start("learner", "--id", "base-1")
+    job.wait_step("base-1", 24)
+    job.start("learner", "--id", "scavenged-1")  # capacity that appears mid-run
+    job.wait_step("scavenged-1", 2 * 8 + 4)  # two fragment periods (H = 8) and a little slack
+    time.sleep(2.0)
+    merged = [e for r in runmod.merge_records(job.store) for e in r.get("merged", []) if e["learner"] == "scavenged-1"]
+    assert merged, job.logs()
+    first = min(merged, key=lambda e: e["seq"])
+    assert first["seq"] == 0
+    # its first delta was taken against a version newer than 0: it joined from the latest globals
+    assert any(e["base_version"] > 0 for e in merged)
