@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fake_metadata import FakeMetadata
+from tests.agent.fake_metadata import FakeMetadata
 
 from ddiloco_geo.agent import Notice, PreemptionWatcher
 from ddiloco_geo.errors import ConfigError
