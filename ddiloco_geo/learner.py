@@ -44,6 +44,7 @@ from ddiloco_geo import codec, keys, run as runmod
 from ddiloco_geo.clocks import VectorClock
 from ddiloco_geo.errors import CodecError, DdilocoError, NotFoundError, StorageError
 from ddiloco_geo.fragments import Schedule
+from ddiloco_geo.metrics import LearnerMetrics, Registry, export_store_stats, learner_metrics
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,11 @@ class Uploader:
     """Bounded background uploader: encodes and writes deltas create-only, in order."""
 
     def __init__(self, store: Store, spec: runmod.RunSpec, learner: str, *, maxsize: int,
-                 codec_name: str, block_size: int, first_seq: int, inline: bool = False) -> None:
+                 codec_name: str, block_size: int, first_seq: int, inline: bool = False,
+                 metrics: LearnerMetrics | None = None) -> None:
         self.store, self.spec, self.learner = store, spec, learner
         self.inline = inline
+        self.metrics = metrics or learner_metrics(Registry())
         self.maxsize, self.codec_name, self.block_size = maxsize, codec_name, block_size
         self.next_seq = first_seq
         self.queue: collections.deque[Outgoing] = collections.deque()
@@ -93,10 +96,12 @@ class Uploader:
                 if queued.fragment == item.fragment:
                     self.queue[i] = item
                     self.counters["deltas_coalesced"] += 1
+                    self.metrics.upload_drops_total.inc(reason="coalesced")
                     return
             if len(self.queue) >= self.maxsize:
                 dropped = self.queue.popleft()
                 self.counters["deltas_dropped"] += 1
+                self.metrics.upload_drops_total.inc(reason="dropped")
                 log.warning("delta_dropped fragment=%d reason=upload_queue_full", dropped.fragment)
             self.queue.append(item)
             self.cond.notify()
@@ -151,6 +156,8 @@ class Uploader:
         self.next_seq = seq + 1
         self.counters["deltas_sent"] += 1
         self.counters["delta_bytes"] += len(data)
+        self.metrics.deltas_sent_total.inc(fragment=str(item.fragment))
+        self.metrics.delta_bytes_total.inc(len(data))
 
     def close(self, deadline_s: float) -> bool:
         """Stop intake, drain within the deadline; True if everything was written."""
@@ -184,6 +191,7 @@ class GlobalPoller:
         self.store, self.spec, self.poll_s = store, spec, poll_s
         self.known = dict(held)
         self.current = dict(current)  # the tensors of each known version (shared, never mutated)
+        self.lag: dict[int, int] = {}  # versions behind the index when last seen
         self.inbox: dict[int, tuple[int, dict[str, torch.Tensor], VectorClock]] = {}
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
@@ -213,6 +221,7 @@ class GlobalPoller:
             held = self.known.get(p, -1)
             if v <= held or p >= self.spec.plan.num_fragments:
                 continue
+            self.lag[p] = v - held
             fetched = None
             if held >= 0 and v - held <= self.MAX_UPDATE_CHAIN and p in self.current:
                 fetched = self._via_updates(p, held, v)
@@ -285,6 +294,8 @@ class Learner:
         self.history: list[dict[str, float]] = []
         self.step = 0
         self.tokens_total = 0
+        self.registry = Registry()
+        self.metrics = learner_metrics(self.registry)
 
     # --- joining ---------------------------------------------------------------------------------
 
@@ -337,7 +348,7 @@ class Learner:
             first_seq = _next_seq(self.store, self.learner_id)
             self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
                                      codec_name=self.spec.codec, block_size=self.spec.block_size, first_seq=first_seq,
-                                     inline=self.inline_io)
+                                     inline=self.inline_io, metrics=self.metrics)
             self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
                                        dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled)
         log.info("learner_joined learner=%s run=%s fragments=%d versions=%s world=%d", self.learner_id,
@@ -490,6 +501,8 @@ class Learner:
         return out, stop
 
     def adopt(self, adoptions: dict) -> None:
+        if adoptions:
+            self.metrics.globals_adopted_total.inc(len(adoptions))
         for p, (version, tensors, clock) in adoptions.items():
             self.modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()}, alpha=self.cfg.alpha)
             if self.rank == 0:
@@ -572,6 +585,7 @@ class Learner:
             time.sleep(self.cfg.slow_step_s)
         dt = time.perf_counter() - t0 if step_s is None else step_s
         self.step_ema = dt if self.step_ema is None else 0.9 * self.step_ema + 0.1 * dt
+        self._observe_step(dt, loss)
         self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         if self.rank == 0:
             for p in self.schedule.due(self.step) if self.cfg.sync_enabled else ():
@@ -587,6 +601,22 @@ class Learner:
                 self._last_hb = time.monotonic()
                 self._heartbeat(self.step_ema)
         return True
+
+    def _observe_step(self, dt: float, loss: float) -> None:
+        m = self.metrics
+        m.step_seconds.observe(dt)
+        m.steps_total.inc()
+        m.tokens_total.set_total(self.tokens_total)
+        m.loss.set(loss)
+        m.tokens_per_second.set(self.tokens_total / max(1e-9, time.monotonic() - self.started))
+        if self.rank == 0:
+            m.upload_queue_depth.set(self.uploader.depth())
+            for p, lag in list(self.poller.lag.items()):
+                m.adoption_lag_versions.set(lag, fragment=str(p))
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": self.stop_reason is None, "learner": self.learner_id, "step": self.step,
+                "stop_reason": self.stop_reason}
 
     def finish(self) -> dict[str, Any]:
         """Flush a delta for every fragment with unsent work, checkpoint, drain the uploader,
@@ -636,6 +666,7 @@ class Learner:
         }
 
     def _heartbeat(self, step_s: float | None, state: str = "running") -> None:
+        export_store_stats(self.registry, "learner", self.store.stats.snapshot())
         body = json.dumps(self._status(step_s, state), default=str).encode()
         key = keys.heartbeat_key(self.learner_id)
         try:
@@ -688,6 +719,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ddiloco_geo.agent import PreemptionWatcher
     from ddiloco_geo.cli import settings_from
+    from ddiloco_geo.metrics import export_store_stats, serve_from_config
     from ddiloco_geo.storage import open_store
 
     settings, _ = settings_from(args, {
@@ -711,11 +743,15 @@ def run(args: argparse.Namespace) -> int:
                                 on_notice=lambda notice: learner.request_stop(notice.source))
     watcher.install_signal_handlers(sigint=True)
     watcher.start()
+    server = serve_from_config(settings.metrics, learner.registry, learner.health) if rank == 0 else None
     try:
         learner.join()
         summary = learner.run()
     finally:
         watcher.stop()
+        if server is not None:
+            export_store_stats(learner.registry, "learner", store.stats.snapshot())
+            server.stop()
     if args.json and rank == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "history"}, default=str))
     if store is not None:

@@ -1197,6 +1197,8 @@ def make_backend(cfg: StorageConfig) -> Backend:
 def open_store(cfg: StorageConfig, *, faults: FaultPlan | None = None) -> Store:
     """Open the store named by ``cfg.url``; with ``faults``, inject them under the retry layer."""
     backend = make_backend(cfg)
+    if faults is None and cfg.fault_rate > 0:
+        faults = FaultPlan(seed=cfg.fault_seed, rate=cfg.fault_rate)
     if faults is not None:
         backend = FaultInjectingBackend(backend, faults)
     return Store(

@@ -50,6 +50,7 @@ import torch
 from ddiloco_geo import codec, keys, merge, run as runmod
 from ddiloco_geo.clocks import VectorClock
 from ddiloco_geo.errors import CodecError, DdilocoError, NotFoundError, StorageError
+from ddiloco_geo.metrics import Registry, export_store_stats, syncer_metrics
 from ddiloco_geo.outer import OuterOptimizer
 from ddiloco_geo.storage import Store
 
@@ -83,6 +84,7 @@ class FragmentState:
     norms: deque = field(default_factory=lambda: deque(maxlen=32))
     round_open_s: float | None = None
     quorum_s: float | None = None
+    last_merge_s: float | None = None
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback of update objects
 
 
@@ -112,6 +114,7 @@ class Syncer:
         outer_momentum: float,
         nesterov: bool,
         max_staleness: int,
+        merge_spacing: float,
         max_norm_ratio: float,
         poll_s: float,
         fetch_concurrency: int,
@@ -128,6 +131,7 @@ class Syncer:
         self.grace_gamma = grace_gamma
         self.outer_kwargs = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov}
         self.max_staleness = max_staleness
+        self.merge_spacing = merge_spacing
         self.max_norm_ratio = max_norm_ratio
         self.poll_s = poll_s
         self.fetch_concurrency = fetch_concurrency
@@ -148,6 +152,8 @@ class Syncer:
             "merges": 0, "contributors_total": 0, "grace_s_total": 0.0,
         }
         self.last_merge: dict[int, dict[str, Any]] = {}
+        self.registry = Registry()
+        self.metrics = syncer_metrics(self.registry)
         self._stopping = False
         self._draining = False
         self._status_token: str | None = None
@@ -324,6 +330,7 @@ class Syncer:
             state.consumed[dk.learner] = max(dk.seq, state.consumed.get(dk.learner, -1))
 
     def _count_reject(self, reason: str, key: str, detail: str | None) -> None:
+        self.metrics.deltas_rejected_total.inc(reason=reason)
         self.counters["deltas_rejected"] += 1
         self.counters["rejected_by_reason"][reason] += 1
         log.warning("delta_rejected reason=%s key=%s detail=%s", reason, key, detail or "")
@@ -345,8 +352,15 @@ class Syncer:
             return False
         if state.quorum_s is None:
             state.quorum_s = now
-            self.ema_quorum.update(now - (state.round_open_s or now))
-        return now >= state.quorum_s + self.grace_s(state)
+            waited = now - (state.round_open_s or now)
+            self.ema_quorum.update(waited)
+            self.metrics.quorum_wait_seconds.observe(waited)
+        if now < state.quorum_s + self.grace_s(state):
+            return False
+        # keep each fragment's effective sync period near H: merging one fragment many times per
+        # period with few contributors over-drives the outer Nesterov step (PAPER-NOTES 5.6)
+        spacing = self.merge_spacing * self.spec.sync_every * self.ema_step.get()
+        return state.last_merge_s is None or now >= state.last_merge_s + spacing
 
     def merge_ready(self) -> int:
         merged = 0
@@ -412,6 +426,14 @@ class Syncer:
             self.counters["contributors_total"] += record["contributors"]
             self.counters["grace_s_total"] += grace
             self.ema_sync.update(self.now() - start)
+            m = self.metrics
+            m.deltas_merged_total.inc(len(entries) + len(superseded))
+            m.versions_published_total.inc()
+            m.contributors_per_merge.observe(record["contributors"])
+            m.grace_window_seconds.observe(grace)
+            m.publish_seconds.observe(self.now() - start)
+            for stale in record["staleness"]:
+                m.staleness_versions.observe(stale)
             self.last_merge[state.fragment] = {k: record[k] for k in ("contributors", "grace_s", "staleness")}
             self.last_merge[state.fragment]["weights"] = {e["learner"]: e["weight"] for e in entries}
         return won
@@ -456,6 +478,7 @@ class Syncer:
         state.consumed, state.residual = consumed, residual
         state.pending = [d for d in state.pending if d.seq > consumed.get(d.learner, -1)]
         state.quorum_s = None
+        state.last_merge_s = self.now()
         state.round_open_s = min((d.arrived_s for d in state.pending), default=None)
         self.counters["versions_published"] += 1
         if record.get("kind") == "merge":
@@ -493,6 +516,8 @@ class Syncer:
         now = time.monotonic()
         if not force and now - self._last_status_s < 2.0:
             return
+        self.metrics.pending_deltas.set(sum(len(s.pending) for s in self.fragments.values()))
+        export_store_stats(self.registry, "syncer", self.store.stats.snapshot())
         self._last_status_s = now
         key = keys.syncer_status_key(self.shard_index, self.num_shards)
         body = json.dumps(self.status(), default=str).encode()
@@ -638,6 +663,10 @@ def run(args: argparse.Namespace) -> int:
     patterns = settings.model.embedding_patterns
     syncer = Syncer(store, spec, **cfg.model_dump(), is_embedding=lambda n: is_embedding(n, patterns))
     syncer.bootstrap(params)
+    from ddiloco_geo.metrics import serve_from_config
+
+    server = serve_from_config(settings.metrics, syncer.registry,
+                               lambda: {"ok": not syncer._stopping, "versions": syncer.status()["versions"]})
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -645,7 +674,11 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, syncer.request_stop)
         await syncer.run(idle_exit_s=cfg.idle_exit_s)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if server is not None:
+            server.stop()
     if args.json:
         print(json.dumps(syncer.status(), default=str))
     store.close()

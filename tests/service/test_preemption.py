@@ -153,3 +153,39 @@ def test_scavenged_learner_is_merged_within_two_fragment_periods(job):
     assert first["seq"] == 0
     # its first delta was taken against a version newer than 0: it joined from the latest globals
     assert any(e["base_version"] > 0 for e in merged)
+
+
+def scrape(port: int, path: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_metrics_and_health_endpoints_are_scraped_from_live_processes(job):
+    from tests.conftest import free_port
+
+    sport, lport = free_port(), free_port()
+    job.start("syncer", "--set", f"metrics.address=127.0.0.1:{sport}")
+    job.start("learner", "--id", "metered", "--set", f"metrics.address=127.0.0.1:{lport}")
+    job.wait_step("metered", 30)
+    time.sleep(2.5)  # one syncer status period
+    code, text = scrape(lport, "/metrics")
+    assert code == 200
+    values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["ddiloco_learner_steps_total"] >= 30
+    assert values["ddiloco_learner_tokens_total"] >= 30 * 8 * 128
+    assert sum(v for k, v in values.items() if k.startswith("ddiloco_learner_deltas_sent_total")) >= 8
+    assert values["ddiloco_learner_storage_bytes_up_total"] > 0
+    assert scrape(lport, "/healthz")[0] == 200
+    code, text = scrape(sport, "/metrics")
+    assert code == 200
+    assert "ddiloco_syncer_contributors_per_merge_count" in text
+    merged = [l for l in text.splitlines() if l.startswith("ddiloco_syncer_deltas_merged_total")]
+    assert merged and float(merged[0].split(" ")[-1]) > 0
+    assert scrape(sport, "/healthz")[0] == 200
