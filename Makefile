@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 
 $(LOCALSTACK_VENV)/.installed: .ci/constraints-localstack.txt
 	$(PY) -m venv $(LOCALSTACK_VENV)
-	$(LOCALSTACK_VENV)/bin/pip install -q -c .ci/constraints-localstack.txt "localstack-core[base-runtime]" cbor2 pyopenssl cryptography
+	$(LOCALSTACK_VENV)/bin/pip install -q -c .ci/constraints-localstack.txt "localstack-core[base-runtime]" cbor2 pyopenssl cryptography moto-ext
 	touch $@
 
 $(CHECKOV_VENV)/.installed: .ci/constraints-checkov.txt

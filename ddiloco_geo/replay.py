@@ -13,7 +13,10 @@ syncer itself had in hand when it published v and runs the syncer's own pure fun
   every base version's params. The recomputed params must equal global v's tensors
   (``torch.equal``), the recomputed momentum/step count/residual must equal v's state object, the
   recorded weights must equal ``merge.token_weight`` of the deltas' counters, and when an update
-  object ``u`` exists its decoded tensors must equal the recomputed quantized change.
+  object ``u`` exists its decoded tensors must equal the recomputed quantized change. The update
+  object's header names the codec and block size; without one (``update_codec = "none"``, or a
+  syncer that crashed between writing the global and its update object) replay tries "none", then
+  ``syncer.update_codec`` from the settings, each compared bit for bit.
 * ``init`` versions (v = 0): the model's initial weights (built from ``run.json``'s model
   settings), zero momentum, no residual.
 * ``rollback`` versions (``ddiloco-geo restore --rollback``): params and outer state equal to the
@@ -33,9 +36,10 @@ unless a merge record carries them under ``"outer"``. The embedding patterns com
 Determinism: merging runs in float64 with a fixed contributor order (the record's), quantization is
 blockwise absmax (exact), and the outer step is elementwise fp32. Measured on torch 2.13 (CPU): the
 results do not depend on the intra-op thread count (1-16 threads, tensors up to 16M values, see
-``tests/ops/test_replay.py``); they may depend on the torch build and the CPU's vector ISA level
-(``torch.backends.cpu.get_cpu_capability()``, settable with ``ATEN_CPU_CAPABILITY``), which
-decide the summation order inside reductions. Replay never uses a tolerance: the output's
+``tests/ops/test_replay.py``); they do depend on the torch build and the CPU's vector ISA level
+(``torch.backends.cpu.get_cpu_capability()``, settable with ``ATEN_CPU_CAPABILITY``), which pick
+the vectorized kernels (a run built at AVX2 replayed at DEFAULT differs from version 0 on). So
+replay is bit-exact when it runs with the syncer's torch version and ISA level. Replay never uses a tolerance: the output's
 ``"bitwise"`` is always true, and a mismatch is reported as a divergence together with the torch
 version, ISA level and thread count replay ran with.
 
@@ -163,8 +167,8 @@ class Replayer:
             raise Divergence(p, -1, "missing", f"fragment {p} has no published version")
         root = versions[0]
         if versions != list(range(root, root + len(versions))):
-            gap = next(v for i, v in enumerate(versions) if v != root + i)
-            raise Divergence(p, root + versions.index(gap), "missing", f"versions of fragment {p} have a gap before {gap}")
+            missing = next(root + i for i, v in enumerate(versions) if v != root + i)
+            raise Divergence(p, missing, "missing", f"fragment {p} has no version {missing} but has later ones")
         header, params = self._global(p, root)
         state = self._state(p, root, header)
         if root == 0:

@@ -171,7 +171,9 @@ class Syncer:
                 params = {n: initial_params[n].detach().to(torch.float32).clone() for n in names}
                 state = FragmentState(p, -1, params, OuterOptimizer(**self.outer_kwargs))
                 self.fragments[p] = state
-                self._publish(state, params, state.outer, {"kind": "init", "merged": []}, dict(state.consumed), VectorClock())
+                self._publish(state, params, state.outer, {
+                    "kind": "init", "merged": [], "torch": torch.__version__,
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability()}, dict(state.consumed), VectorClock())
             else:
                 self._adopt_published(p, latest)
         runmod.advance_index(self.store, {p: s.version for p, s in self.fragments.items()})
@@ -417,6 +419,7 @@ class Syncer:
             "kind": "merge", "merged": entries, "superseded": [d.key for d in superseded],
             "contributors": len({e["learner"] for e in entries}), "grace_s": grace,
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
+            "outer": self.outer_kwargs, "update_codec": self.update_codec,
         }
         won = self._publish(state, new_params, outer, record, consumed, clock)
         if won:

@@ -1,0 +1,204 @@
+"""Replay: every published version recomputed from the bucket and compared bit for bit."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from ddiloco_geo import codec, config, keys, merge, run as runmod
+from ddiloco_geo.replay import read_state, replay
+from ddiloco_geo.storage import open_store
+from tests.ops.conftest import cli_json, copy_store, merge_rounds, poll_and_merge, total_versions
+
+OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def fresh_store():
+    return open_store(config.StorageConfig(url=f"memory://replay-{uuid.uuid4().hex[:10]}"))
+
+
+def reencode_global(store, spec, p, v, change):
+    """The bytes of global p/v with ``change(tensors)`` applied (header kept, checksum valid)."""
+    header, tensors = runmod.read_global(store, spec, p, v)
+    return codec.encode(change(tensors), header, codec="fp32")
+
+
+def test_replay_reproduces_every_version_bit_for_bit(history):
+    run, _ = history(rounds=5)
+    # a rejected delta and a delta still in flight must not disturb replay
+    run.write_delta("evil", 1, steps=0)
+    run.write_delta("a", 2, base_version=5)
+    result = replay(run.store, run.spec, outer_kwargs=OUTER)
+    assert result["ok"] and result["bitwise"], result["first_divergence"]
+    assert result["first_divergence"] is None
+    assert result["fragments"] == run.spec.plan.num_fragments
+    assert result["versions_checked"] == total_versions(run.store, run.spec.plan.num_fragments) == 4 * 6
+    assert result["roots"] == {}
+    # the history really has what the test claims: int4 updates, stale and superseded deltas
+    rec = runmod.read_header(run.store, keys.global_key(0, 4)).extra
+    assert sorted(rec["staleness"]) == [0, 0, 2]
+    assert runmod.read_header(run.store, keys.global_key(0, 2)).extra["superseded"]
+    upd = runmod.read_header(run.store, keys.global_update_key(3, 5))
+    assert upd.codec == "int4"
+
+
+@pytest.mark.parametrize("update_codec", ["none", "fp32", "bf16", "int8"])
+def test_replay_with_every_update_codec(history, update_codec):
+    run, _ = history(rounds=3, **{"syncer.update_codec": update_codec})
+    result = replay(run.store, run.spec, outer_kwargs=OUTER)
+    assert result["ok"], result["first_divergence"]
+    assert result["versions_checked"] == 4 * 4
+
+
+def test_replay_reports_the_first_divergence_of_a_tampered_global(history):
+    run, _ = history(rounds=4)
+    p, v, name = 2, 3, sorted(run.spec.plan.fragments[2])[0]
+
+    def nudge(tensors):
+        t = tensors[name].clone()
+        t.view(-1)[0] += 1e-3
+        return {**tensors, name: t}
+
+    tampered = fresh_store()
+    copy_store(run.store, tampered, replace={keys.global_key(p, v): reencode_global(run.store, run.spec, p, v, nudge)})
+    result = replay(tampered, run.spec, outer_kwargs=OUTER)
+    assert not result["ok"]
+    d = result["first_divergence"]
+    assert (d["fragment"], d["version"], d["what"], d["tensor"]) == (p, v, "params", name)
+    assert d["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+    assert [x["fragment"] for x in result["divergences"]] == [p]  # the other fragments still match
+    # every other fragment fully checked, this one up to the version before the tampered one
+    assert result["versions_checked"] == 3 * 5 + v
+
+
+def test_replay_checks_the_outer_state_and_the_hyperparameters(history):
+    run, _ = history(rounds=3)
+    p, v = 1, 2
+    header, _ = runmod.read_global(run.store, run.spec, p, v)
+    state = read_state(run.store, run.spec, header.extra["state_key"])
+    st_header, st_tensors = codec.decode(run.store.get(state.key), kind="state")
+    mom = sorted(k for k in st_tensors if k.startswith("momentum."))[-1]
+    st_tensors[mom] = st_tensors[mom] * 1.0001
+    tampered = fresh_store()
+    copy_store(run.store, tampered, replace={state.key: codec.encode(st_tensors, st_header, codec="fp32")})
+    d = replay(tampered, run.spec, outer_kwargs=OUTER)["first_divergence"]
+    assert (d["fragment"], d["version"], d["what"], d["tensor"]) == (p, v, "momentum", mom)
+
+    # the merge record names the outer hyperparameters the syncer used; replay trusts the record
+    # over its own settings, and a record that lies about them diverges
+    assert replay(run.store, run.spec, outer_kwargs={**OUTER, "lr": 0.69})["ok"]
+    g_header, g_tensors = runmod.read_global(run.store, run.spec, 0, 1)
+    g_header.extra = {**g_header.extra, "outer": {**g_header.extra["outer"], "lr": 0.69}}
+    lying = fresh_store()
+    copy_store(run.store, lying, replace={keys.global_key(0, 1): codec.encode(g_tensors, g_header, codec="fp32")})
+    d = replay(lying, run.spec, outer_kwargs=OUTER)["first_divergence"]
+    assert (d["fragment"], d["version"], d["what"]) == (0, 1, "params")
+
+
+def test_replay_checks_recorded_weights_and_version_zero(history):
+    run, _ = history(rounds=2)
+    p = 0
+    header, tensors = runmod.read_global(run.store, run.spec, p, 1)
+    header.extra["merged"][0]["weight"] += 1.0
+    tampered = fresh_store()
+    copy_store(run.store, tampered, replace={keys.global_key(p, 1): codec.encode(tensors, header, codec="fp32")})
+    d = replay(tampered, run.spec, outer_kwargs=OUTER)["first_divergence"]
+    assert (d["fragment"], d["version"], d["what"]) == (p, 1, "weight")
+
+    other_init = {n: t + 1 for n, t in run.params.items()}
+    d = replay(run.store, run.spec, outer_kwargs=OUTER, initial_params=other_init)["first_divergence"]
+    assert (d["fragment"], d["version"], d["what"]) == (0, 0, "params")
+
+
+def test_replay_reports_an_unreadable_object(history):
+    run, _ = history(rounds=2)
+    key = keys.global_key(3, 1)
+    data = bytearray(run.store.get(key))
+    data[-5] ^= 0x10
+    tampered = fresh_store()
+    copy_store(run.store, tampered, replace={key: bytes(data)})
+    d = replay(tampered, run.spec, outer_kwargs=OUTER)["first_divergence"]
+    assert (d["fragment"], d["version"], d["what"]) == (3, 1, "unreadable")
+    assert "checksum" in d["detail"]
+
+
+def test_replay_does_not_depend_on_the_thread_count(history):
+    run, _ = history(rounds=3)
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert replay(run.store, run.spec, outer_kwargs=OUTER)["ok"]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("numel", [1_000, 70_001, 2_000_003])
+def test_merge_and_quantize_are_thread_count_invariant(numel):
+    """The premise of bit-exact replay on tensors large enough for torch to parallelise reductions."""
+    gen = torch.Generator().manual_seed(numel)
+    vectors = [torch.randn(numel, generator=gen) * (i + 1) for i in range(3)]
+    weights = [1.0, 2.5, 0.3]
+    header = codec.Header(kind="update", run_id="r")
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            direction = merge.rda(vectors, weights)
+            _, sent = codec.decode(codec.encode({"x": direction}, header, codec="int4"))
+            results.append((direction, sent["x"]))
+    finally:
+        torch.set_num_threads(before)
+    for direction, sent in results[1:]:
+        assert torch.equal(direction, results[0][0]) and torch.equal(sent, results[0][1])
+
+
+def test_replay_cli_on_a_local_directory(history, tmp_path):
+    run, syncer = history(rounds=3, **{"storage.url": f"file://{tmp_path}/run"})
+    url = f"file://{tmp_path}/run"
+    result = cli_json("replay", "--store", url)
+    assert result["ok"] and result["versions_checked"] == 4 * 4 and result["bitwise"] is True
+    result = cli_json("replay", "--store", url, "--fragment", "2", "--threads", "1")
+    assert result["fragments"] == 1 and result["versions_checked"] == 4
+    # the condition for bit-exactness: the syncer's ISA level (here: this process's)
+    level = torch.backends.cpu.get_cpu_capability()
+    result = cli_json("replay", "--store", url, env={"ATEN_CPU_CAPABILITY": level.lower()})
+    assert result["ok"] and result["cpu_capability"] == level
+    if level != "DEFAULT":  # other kernels, other bits: reported, never hidden behind a tolerance
+        result = cli_json("replay", "--store", url, env={"ATEN_CPU_CAPABILITY": "default"}, expect_rc=1)
+        assert result["cpu_capability"] == "DEFAULT" and result["bitwise"] is True
+        assert result["first_divergence"]["max_abs_diff"] > 0
+    # tamper in place (the local backend allows delete + create): fragment 1, version 2
+    p, v = 1, 2
+    key = keys.global_key(p, v)
+    data = reencode_global(run.store, run.spec, p, v, lambda t: {n: x * 0.5 for n, x in t.items()})
+    run.store.delete(key)
+    assert run.store.put_if_absent(key, data)
+    result = cli_json("replay", "--store", url, expect_rc=1)
+    assert not result["ok"]
+    d = result["first_divergence"]
+    assert (d["fragment"], d["version"], d["what"]) == (p, v, "params")
+    assert d["max_abs_diff"] > 0
+
+
+def test_replay_follows_on_after_more_merges(history):
+    run, syncer = history(rounds=2)
+    merge_rounds(run, syncer, 2, start=2)
+    run.write_delta("a", 0, base_version=syncer.fragments[0].version)
+    run.write_delta("b", 0, base_version=syncer.fragments[0].version - 1)
+    assert poll_and_merge(syncer) == 1
+    assert replay(run.store, run.spec, outer_kwargs=OUTER)["ok"]
+
+
+def test_replay_without_an_update_object_tries_the_configured_codec(history):
+    """A syncer that crashed between the global and its update object leaves no codec on record."""
+    run, _ = history(rounds=3)
+    missing = keys.global_update_key(1, 2)
+    copy = fresh_store()
+    copy_store(run.store, copy)
+    copy.delete(missing)
+    assert replay(copy, run.spec, outer_kwargs=OUTER, update_codec="int4")["ok"]
+    assert replay(copy, run.spec, outer_kwargs=OUTER, update_codec="none")["ok"]  # the record wins
