@@ -287,3 +287,23 @@ def test_update_objects_reconstruct_the_global_bit_for_bit(tiny_run):
     again = run.syncer()
     for n, t in syncer.fragments[p].residual.items():
         assert torch.equal(again.fragments[p].residual[n], t)
+
+
+def test_sharded_syncers_run_side_by_side(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})
+    shards = []
+    for i in range(2):
+        run.settings.syncer.shard = f"{i}/2"
+        shards.append(run.syncer())
+    assert sorted(shards[0].owned + shards[1].owned) == list(range(run.spec.plan.num_fragments))
+    assert not set(shards[0].owned) & set(shards[1].owned)
+    for p in range(run.spec.plan.num_fragments):
+        run.write_delta("a", p)
+        run.write_delta("b", p)
+    for s in shards:
+        poll(s)
+        assert s.merge_ready() == len(s.owned)
+    index, _ = runmod.read_index(run.store)
+    assert index == {p: 1 for p in range(run.spec.plan.num_fragments)}
+    ledger = runmod.ledger(run.store)
+    assert ledger["deltas_unaccounted"] == 0 and ledger["deltas_merged"] == 2 * run.spec.plan.num_fragments
