@@ -138,7 +138,7 @@ def setup_logging(verbose: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
-    for noisy in ("botocore", "aiobotocore", "s3fs", "gcsfs", "fsspec", "urllib3", "asyncio", "google"):
+    for noisy in ("botocore", "aiobotocore", "s3fs", "gcsfs", "fsspec", "urllib3", "asyncio", "google", "werkzeug"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

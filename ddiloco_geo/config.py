@@ -119,7 +119,7 @@ class SyncerConfig(Section):
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
-    merge_spacing: float = Field(0.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
+    merge_spacing: float = Field(1.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
     max_staleness: int = Field(8, ge=0, description="reject deltas whose base version is older than current - max_staleness")
     max_norm_ratio: float = Field(50.0, gt=1, description="reject a delta whose per-step norm exceeds this multiple of the fragment's running median")
     update_codec: Literal["none", "fp32", "bf16", "int8", "int4"] = Field(

@@ -178,11 +178,12 @@ def syncer_state_key(fragment: int, version: int, token: str) -> str:
     )
 
 
+def _shard_name(shard: int, num_shards: int) -> str:
+    return f"shard-{_num(shard, SHARD_DIGITS, 'shard')}-of-{_num(num_shards, SHARD_DIGITS, 'shard count')}"
+
+
 def lease_key(shard: int, num_shards: int) -> str:
-    return (
-        f"{SYNCER}leases/shard-{_num(shard, SHARD_DIGITS, 'shard')}"
-        f"-of-{_num(num_shards, SHARD_DIGITS, 'shard count')}"
-    )
+    return f"{SYNCER}leases/{_shard_name(shard, num_shards)}"
 
 
 def tape_key(fragment: int, version: int) -> str:
@@ -200,10 +201,7 @@ def rejected_key(learner: str, seq: int, fragment: int) -> str:
 
 
 def syncer_status_key(shard: int, num_shards: int) -> str:
-    return (
-        f"{SYNCER}status/shard-{_num(shard, SHARD_DIGITS, 'shard')}"
-        f"-of-{_num(num_shards, SHARD_DIGITS, 'shard count')}.json"
-    )
+    return f"{SYNCER}status/{_shard_name(shard, num_shards)}.json"
 
 
 # --- snapshots -----------------------------------------------------------------------------------

@@ -50,8 +50,34 @@ def run(args: argparse.Namespace) -> int:
     summary = LocalRun(settings, eval_every_s=args.eval_every, live=not args.no_live and not args.json).run()
     if args.json:
         print(json.dumps(summary, indent=1, default=str))
+    else:
+        print_summary(summary, Path(settings.local.out))
     ok = summary["deltas_unaccounted"] == 0 and summary["processes_failed"] == 0
     return 0 if ok else 1
+
+
+def print_summary(summary: dict[str, Any], out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="ddiloco-geo local: summary", show_header=False)
+    ratio = summary.get("dp_allreduce_ratio")
+    rows = [
+        ("global eval loss", f"{summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}"),
+        ("learners / tokens", f"{summary['num_learners']} / {summary['tokens_total']:,}"),
+        ("versions published", f"{sum(summary['versions_published'].values())} over {summary['num_fragments']} fragments"),
+        ("deltas written / merged / rejected / unaccounted",
+         f"{summary['deltas_written']} / {summary['deltas_merged']} / {summary['deltas_rejected']} / "
+         f"{summary['deltas_unaccounted']}"),
+        ("bytes up / down", f"{summary['bytes_up'] / 2**20:.1f} MiB / {summary['bytes_down'] / 2**20:.1f} MiB"),
+        ("data-parallel all-reduce would move", f"{summary['dp_allreduce_bytes'] / 2**20:.1f} MiB"
+         + (f" ({ratio:.1f}x more)" if ratio else "")),
+        ("wall time", f"{summary['wall_s']:.0f} s"),
+        ("written", f"{out / 'summary.json'}, {out / 'training.png'}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
 
 
 class LocalRun:
