@@ -481,7 +481,8 @@ class Syncer:
         state.consumed, state.residual = consumed, residual
         state.pending = [d for d in state.pending if d.seq > consumed.get(d.learner, -1)]
         state.quorum_s = None
-        state.last_merge_s = self.now()
+        if record.get("kind") == "merge":
+            state.last_merge_s = self.now()
         state.round_open_s = min((d.arrived_s for d in state.pending), default=None)
         self.counters["versions_published"] += 1
         if record.get("kind") == "merge":

@@ -307,3 +307,24 @@ def test_sharded_syncers_run_side_by_side(tiny_run):
     assert index == {p: 1 for p in range(run.spec.plan.num_fragments)}
     ledger = runmod.ledger(run.store)
     assert ledger["deltas_unaccounted"] == 0 and ledger["deltas_merged"] == 2 * run.spec.plan.num_fragments
+
+
+def test_merge_spacing_keeps_one_merge_per_fragment_period(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.merge_spacing": 1.0})
+    syncer = run.syncer()
+    syncer.ema_step.value = 1.0  # H = 4 steps of 1 s: one merge of a fragment per 4 s
+    run.write_delta("a", 0)
+    poll(syncer)
+    assert syncer.merge_ready() == 1  # the first merge is not held back
+    run.clock.t = 1.0
+    run.write_delta("b", 0)
+    poll(syncer)
+    assert syncer.merge_ready() == 0
+    run.clock.t = 3.0
+    run.write_delta("c", 0)
+    poll(syncer)
+    assert syncer.merge_ready() == 0
+    run.clock.t = 4.0
+    assert syncer.merge_ready() == 1
+    rec = runmod.read_header(run.store, keys.global_key(0, 2)).extra
+    assert rec["contributors"] == 2  # b and c gathered into one merge
