@@ -564,6 +564,9 @@ class Learner:
         self.loss_ema: float | None = None
         self._last_hb = 0.0
         self._hb_token: str | None = None
+        self._hb_stop = threading.Event()
+        if self.rank == 0 and not self.inline_io:
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
 
     def step_once(self, step_s: float | None = None) -> bool:
         """One inner step with its adoptions and sends; False once the learner should stop.
@@ -597,10 +600,15 @@ class Learner:
                          self.learner_id, self.step, self.loss_ema,
                          self.tokens_total / max(1e-9, time.monotonic() - self.started),
                          sum(self.base_version), self.uploader.depth())
-            if time.monotonic() - self._last_hb > self.cfg.heartbeat_s:
+            if self.inline_io and time.monotonic() - self._last_hb > self.cfg.heartbeat_s:
                 self._last_hb = time.monotonic()
                 self._heartbeat(self.step_ema)
         return True
+
+    def _heartbeat_loop(self) -> None:
+        """Heartbeats from their own thread: a slow link or a storage retry never delays a step."""
+        while not self._hb_stop.wait(self.cfg.heartbeat_s):
+            self._heartbeat(self.step_ema)
 
     def _observe_step(self, dt: float, loss: float) -> None:
         m = self.metrics
@@ -635,6 +643,7 @@ class Learner:
             except StorageError as exc:
                 log.warning("checkpoint_failed error=%s", exc)
         flushed = self.uploader.close(max(0.0, self.cfg.flush_deadline_s - (time.monotonic() - t0)))
+        self._hb_stop.set()
         self.poller.stop()
         summary = self._status(None)
         summary.update({"reason": self.stop_reason, "flushed": flushed, "flush_s": time.monotonic() - t0,

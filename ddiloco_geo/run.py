@@ -229,7 +229,7 @@ def ledger(store: Store) -> dict[str, Any]:
             log.warning("reject_record_unreadable key=%s", key)
     by_reason: dict[str, int] = {}
     for k in written:
-        if k in rejected and k not in merged:
+        if k in rejected and k not in merged and k not in superseded:
             by_reason[rejected[k]] = by_reason.get(rejected[k], 0) + 1
     accounted = merged | superseded | set(rejected)
     unaccounted = sorted(written - accounted)

@@ -37,8 +37,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import secrets
 import signal
+import socket
 import statistics
 import time
 from collections import OrderedDict, defaultdict, deque
@@ -156,6 +158,7 @@ class Syncer:
         self.metrics = syncer_metrics(self.registry)
         self._stopping = False
         self._draining = False
+        self.ready_at: float | None = None
         self._status_token: str | None = None
         self._last_status_s = 0.0
 
@@ -183,6 +186,7 @@ class Syncer:
             # filtered per fragment, so nothing is fetched twice
             low = min(s.consumed.get(learner, -1) for s in self.fragments.values())
             self.list_cursor[learner] = keys.delta_key(learner, low, 999) if low >= 0 else None
+        self.ready_at = time.time()
         log.info("syncer_ready shard=%d/%d fragments=%d versions=%s", self.shard_index, self.num_shards,
                  len(self.owned), {p: s.version for p, s in self.fragments.items()})
 
@@ -506,7 +510,7 @@ class Syncer:
         c["rejected_by_reason"] = dict(c["rejected_by_reason"])
         return {
             "shard": f"{self.shard_index}/{self.num_shards}",
-            "time": time.time(),
+            "time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "ready_at": self.ready_at,
             "versions": {str(p): s.version for p, s in self.fragments.items()},
             "pending": {str(p): len(s.pending) for p, s in self.fragments.items() if s.pending},
             "ema_step_s": self.ema_step.get(), "ema_quorum_s": self.ema_quorum.get(),

@@ -1,0 +1,253 @@
+"""``ddiloco-geo chaos``: the report's computations on synthetic data (fast), the schedule as a pure
+function of the seed, and one short seeded chaos run on real processes against the moto server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddiloco_geo.chaos import (
+    compute_downtime, compute_goodput, find_stalls, first_merge_after, goals, measure, plan_schedule, subtract, union,
+)
+from tests.conftest import cli_args_for
+
+# --- the schedule --------------------------------------------------------------------------------
+
+
+def test_same_seed_same_schedule_and_every_kind_of_fault_planned():
+    a, b, c = plan_schedule(11), plan_schedule(11), plan_schedule(12)
+    assert a == b
+    assert a != c
+    assert json.loads(json.dumps(a)) == a  # plain JSON
+    kinds = {(x["action"], x["target"].split("-")[0] if x["target"].startswith("learner") else x["target"])
+             for x in a["actions"]}
+    assert {("sigkill", "learner"), ("sigterm", "learner"), ("restart", "learner"), ("sigkill", "syncer"),
+            ("restart", "syncer"), ("start", "syncer-2"), ("sigterm", "syncer-2")} <= kinds
+    assert any("learner.slow_step_s" in x.get("settings", {}) for x in a["actions"])
+    assert any(r != "home" for r in a["placement"].values())
+    assert any(k.startswith("learner") for k in a["faults"]) and "syncer" in a["faults"]
+    # the reference learner is never a victim, and every step trigger falls before 70 % of the run
+    assert all(x["target"] != a["reference"] for x in a["actions"])
+    assert all(x["when"]["step"] < 0.7 * a["steps"] for x in a["actions"] if "step" in x["when"])
+
+
+def test_long_schedule_has_a_round_of_events_per_round():
+    plan = plan_schedule(3, learners=4, steps=400, rounds=3)
+    assert sum(1 for x in plan["actions"] if x["action"] == "sigkill" and x["target"] == "syncer") == 3
+    assert len(plan["actions"]) == 24
+
+
+def test_plan_only_prints_the_same_schedule():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    outs = [subprocess.run([sys.executable, "-m", "ddiloco_geo", "chaos", "--seed", "5", "--plan-only"], env=env,
+                           capture_output=True, text=True, timeout=60) for _ in range(2)]
+    assert all(o.returncode == 0 for o in outs), outs[0].stderr
+    assert json.loads(outs[0].stdout) == json.loads(outs[1].stdout) == plan_schedule(5)
+
+
+def test_too_few_learners_is_a_config_error():
+    from ddiloco_geo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="at least 3 learners"):
+        plan_schedule(0, learners=2)
+
+
+# --- intervals -----------------------------------------------------------------------------------
+
+
+def test_interval_arithmetic():
+    assert union([(3, 4), (0, 1), (0.5, 2), (5, 5)]) == [(0, 2), (3, 4)]
+    assert subtract([(0, 10)], [(1, 2), (5, 7), (9, 12)]) == [(0, 1), (2, 5), (7, 9)]
+    assert subtract([(0, 1)], []) == [(0, 1)]
+    assert measure([(0, 2), (1, 3)]) == 3
+
+
+# --- downtime ------------------------------------------------------------------------------------
+
+
+def beats(t0: float, t1: float, step0: int = 0, every: float = 0.5, steps_per_beat: int = 1):
+    out, t, s = [], t0, step0
+    while t <= t1 + 1e-9:
+        out.append((round(t, 3), s))
+        t += every
+        s += steps_per_beat
+    return out
+
+
+def test_no_downtime_while_some_learner_steps():
+    a = {"obs": beats(0, 10), "end": 10}
+    b = {"obs": beats(12, 20), "end": 20}  # nobody is alive between 10 and 12 (b still starting up)
+    down, intervals = compute_downtime([a, b])
+    assert down == 0 and intervals == []
+
+
+def test_a_stall_with_a_learner_alive_is_downtime():
+    # a steps until 10, then is alive but frozen until it is killed at 15; b joins at 12
+    a = {"obs": beats(0, 10) + [(11.0, 20), (12.0, 20), (13.0, 20)], "end": 15.0, "signalled_at": 15.0}
+    b = {"obs": beats(12, 20), "end": 20}
+    down, intervals = compute_downtime([a, b])
+    assert down == pytest.approx(2.0)
+    assert intervals == [(10, 12)]
+
+
+def test_a_long_silence_is_not_taken_for_progress():
+    # two heartbeats 10 s apart with a step advance: only the last gap_s seconds count as stepping
+    a = {"obs": [(0.0, 0), (0.5, 1), (10.5, 2), (11.0, 3)], "end": 11.0}
+    down, intervals = compute_downtime([a], gap_s=3.0)
+    assert down == pytest.approx(7.0)
+    assert intervals == [(0.5, 7.5)]
+
+
+def test_a_learner_killed_while_stepping_steps_until_the_signal():
+    a = {"obs": beats(0, 5), "end": 5.3, "signalled_at": 5.3}
+    assert compute_downtime([a])[0] == 0
+    frozen = {"obs": beats(0, 5) + [(6.0, 10)], "end": 8.0, "signalled_at": 8.0}
+    assert compute_downtime([frozen])[0] == pytest.approx(3.0)  # frozen from 5 until the kill at 8
+
+
+# --- stalls --------------------------------------------------------------------------------------
+
+
+def test_stall_detection():
+    period = 4.0  # three periods: 12 s
+    up = [(0.0, 100.0)]
+    assert find_stalls([10, 20, 30, 40], [12, 22, 32], up, period) == []
+    stalls = find_stalls([10, 20, 60], [22, 30], up, period)
+    assert [(s["start"], s["end"]) for s in stalls] == [(22, 60)]
+    # no delivered work waiting: a quiet bucket is not a stall
+    assert find_stalls([10], [5], up, period) == []
+    # nothing counts while no syncer serves; a delta waiting at a restart waits from the restart on
+    stalls = find_stalls([25, 58], [28], [(0, 30), (40, 100)], period)
+    assert [(s["start"], s["end"]) for s in stalls] == [(40, 58)]
+    assert find_stalls([25, 45], [28], [(0, 30), (40, 100)], period) == []
+    # work waiting when the syncer stops (end of its uptime) with no publish: a stall up to the stop
+    stalls = find_stalls([5], [10], [(0, 30)], period)
+    assert [(s["start"], s["end"]) for s in stalls] == [(10, 30)]
+
+
+# --- goodput -------------------------------------------------------------------------------------
+
+
+def delta(learner, seq, fragment, step, num_steps):
+    return {"learner": learner, "seq": seq, "fragment": fragment, "step": step, "num_steps": num_steps}
+
+
+def test_goodput_fault_free_counts_everything_up_to_the_last_merged_delta():
+    incs = {"a": [{"s0": 0, "s1": 16, "first_seq": 0, "parent": None}]}
+    merged = [delta("a", 0, 0, 8, 8), delta("a", 1, 1, 12, 12), delta("a", 2, 0, 16, 6), delta("a", 3, 1, 16, 4)]
+    gp = compute_goodput(incs, merged, num_fragments=2)
+    assert gp["goodput"] == 1.0 and gp["steps_taken"] == 16
+
+
+def test_goodput_sigkill_loses_the_unmerged_tail_and_resumes_from_zero():
+    incs = {"a": [{"s0": 0, "s1": 30, "first_seq": 0, "parent": None},     # SIGKILLed at step 30
+                  {"s0": 0, "s1": 20, "first_seq": 5, "parent": None}]}    # restarted from scratch
+    merged = [delta("a", 0, 0, 24, 24), delta("a", 1, 1, 28, 28),           # first incarnation
+              delta("a", 5, 0, 20, 20), delta("a", 6, 1, 20, 20)]           # second: seq >= 5
+    gp = compute_goodput(incs, merged, num_fragments=2)
+    assert gp["steps_taken"] == 50
+    assert gp["fragment_steps_delivered"] == 24 + 28 + 20 + 20
+    assert gp["goodput"] == pytest.approx(92 / 100)
+
+
+def test_goodput_follows_a_checkpoint_lineage():
+    # SIGTERM at 40: flushed and checkpointed; the resumed incarnation's first delta of fragment 1 also
+    # covers steps 36..40 of the first one (counters restored from the checkpoint)
+    incs = {"a": [{"s0": 0, "s1": 40, "first_seq": 0, "parent": None},
+                  {"s0": 40, "s1": 60, "first_seq": 4, "parent": 0}]}
+    merged = [delta("a", 0, 0, 32, 32), delta("a", 1, 1, 36, 36),  # the flush deltas were rejected: lost
+              delta("a", 4, 1, 44, 8), delta("a", 5, 0, 60, 16)]
+    gp = compute_goodput(incs, merged, num_fragments=2)
+    assert gp["by_learner"]["a"]["fragment_steps_delivered"] == (32 + 40) + (20 + 4)
+    # a rejected tail (nothing merged after it) stays lost
+    gp = compute_goodput(incs, merged[:2] + [delta("a", 5, 0, 60, 16)], num_fragments=2)
+    assert gp["fragment_steps_delivered"] == (32 + 36) + (20 + 0)
+
+
+def test_goodput_ignores_unknown_learners_and_empty_runs():
+    assert compute_goodput({}, [delta("x", 0, 0, 4, 4)], 2)["goodput"] is None
+
+
+def test_first_merge_after_a_restart():
+    records = [
+        {"kind": "init", "published_at": 1.0, "merged": []},
+        {"kind": "merge", "published_at": 5.0, "merged": [{"learner": "a", "seq": 3}]},
+        {"kind": "merge", "published_at": 9.0, "merged": [{"learner": "b", "seq": 7}],
+         "superseded": ["learners/a/deltas/s000000000008-f001.st"]},
+        {"kind": "merge", "published_at": 7.0, "merged": [{"learner": "a", "seq": 9}]},
+    ]
+    assert first_merge_after(records, "a", 4) == 7.0
+    assert first_merge_after(records, "a", 0) == 5.0
+    assert first_merge_after(records, "a", 10) is None
+
+
+def test_goals():
+    report = {"timed_out": False, "downtime_s": 0, "stalls": [], "deltas_unaccounted": 0, "deltas_written": 5,
+              "deltas_merged": 4, "deltas_rejected": 1, "restarted_merged_after_restart": {"a.1": True},
+              "processes_failed": [], "loss_ratio": 1.02}
+    assert all(goals(report).values())
+    assert goals({**report, "loss_ratio": 1.05})["loss_within_3pct"] is False
+    assert "loss_within_3pct" not in goals({**report, "loss_ratio": None})
+    assert goals({**report, "deltas_rejected": 2})["ledger_balanced"] is False
+    assert goals({**report, "deltas_rejected": 2, "deltas_double_accounted": 1})["ledger_balanced"] is True
+
+
+# --- a short seeded chaos run on real processes --------------------------------------------------
+
+SEED = 11
+STEPS = 80
+
+
+@pytest.mark.slow
+def test_short_chaos_run_on_the_moto_server(make_storage_config, tmp_path):
+    cfg = make_storage_config("moto")
+    out = tmp_path / "out"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco_geo", "chaos", "--seed", str(SEED), "--steps", str(STEPS), "--no-baseline",
+         "--timeout", "330", "--out", str(out), "--json", *cli_args_for(cfg)],
+        cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=400)
+    assert proc.returncode in (0, 1), proc.stderr[-5000:]
+    report = json.loads(proc.stdout)
+    context = json.dumps({k: report[k] for k in ("goals", "events", "processes", "stalls", "downtime_intervals")})
+    assert report["timed_out"] is False, context
+    assert report["store"].startswith(cfg.url + "/chaos-")
+    assert report["processes_failed"] == [], context
+
+    # the schedule is the seed's, and it happened
+    assert report["plan"] == plan_schedule(SEED, 3, STEPS, 1)
+    events = report["events"]
+
+    def happened(action, target_prefix):
+        return [e for e in events if e["action"] == action and e["target"].startswith(target_prefix)]
+
+    assert happened("sigkill", "learner-"), context
+    assert happened("sigterm", "learner-"), context
+    assert happened("sigkill", "syncer") and happened("restart", "syncer"), context
+    assert happened("start", "syncer-2") and happened("ready", "syncer-2"), context
+    assert all(st["status"] == "done" for st in report["actions"].values()), report["actions"]
+    assert any(e.get("learner.slow_step_s") for e in happened("restart", "learner-")), context
+    assert report["faults_configured"], context
+    assert sum(sum(r.values()) for r in report["fault_retries_seen"].values()) > 0, report["fault_retries_seen"]
+    assert report["wan"]["proxied_learners"]
+    assert any(p["up_bytes"] > 0 and p["down_bytes"] > 0 for p in report["wan"]["proxies"].values()), report["wan"]
+
+    # the guarantees
+    assert report["downtime_s"] == 0, context
+    assert report["deltas_unaccounted"] == 0, report["unaccounted_keys"]
+    # a delta rejected by one syncer and merged by the other is counted twice by run.ledger
+    assert report["deltas_written"] == (report["deltas_merged"] + report["deltas_rejected"]
+                                        - report["deltas_double_accounted"]) > 0
+    restarted = report["restarted_merged_after_restart"]
+    assert len(restarted) >= 2 and all(restarted.values()), report["restarts"]
+    assert len(report["recovery_s"]["restart_to_first_merge"]) == len(restarted)
+    assert report["recovery_s"]["notice_to_exit"] and all(t < 30 for t in report["recovery_s"]["notice_to_exit"])
+    assert 0 < report["goodput"] <= 1
+    assert report["final_eval_loss"] < report["initial_eval_loss"] - 0.5
+    assert (out / "chaos.json").exists() and (out / "plan.json").exists()
+    assert time.monotonic() - started < 330
