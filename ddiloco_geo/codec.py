@@ -14,6 +14,8 @@ tensor bytes); nothing is ever pickled. The header lives in safetensors' ``__met
     shapes, dtypes  JSON {name: [dims]} and {name: "float32" | ...}: what decode restores
     extra           one JSON object (merge record, data cursor, ...)
     checksum        sha256 hex over the raw bytes of every stored tensor, in sorted key order
+    signer          (signed objects only) key id: "learner:<id>" or "syncer"
+    signature       (signed objects only) hex HMAC-SHA256 over every other metadata field
 
 Codecs (quantize only on the wire; decode always yields contiguous float32 of the original shape):
 
@@ -41,10 +43,19 @@ Decode is defensive: every malformed, truncated, foreign, corrupted or mismatche
 ``CodecError(reason, detail)`` and nothing else ever escapes. Checks run in this order: size
 (``too_large``), framing (``truncated``, ``bad_header``), ``foreign``, ``version``, header fields
 (``bad_header``), ``kind``, ``run_id``, ``codec``, stored tensors vs header (``codec`` for
-quantized tensors, ``shape`` otherwise), ``shape`` vs ``expect``, ``checksum``, then ``nonfinite``
+quantized tensors, ``shape`` otherwise), ``shape`` vs ``expect``, ``checksum``, the signature
+when a verifier is given (``unsigned``, ``bad_signature``, ``wrong_signer``), then ``nonfinite``
 (NaN/Inf values, or scales that are not finite or would overflow). The checksum detects
 corruption, not forgery: header fields outside the tensor bytes are validated, not hashed, so
 pass ``expect`` whenever the shapes are known (the fragment plan knows them).
+
+Signing (``ddiloco_geo.signing``): ``encode(signer=...)`` adds ``signer`` and ``signature``; the
+signature is an HMAC over the sorted JSON of every other metadata field, so it covers the
+identity fields, the counters, the shapes and the checksum, and through the checksum the tensor
+bytes (the tensor table itself is fully determined by the metadata: names, dtypes and shapes
+follow from ``codec``/``shapes``, and the checksum hashes the bytes in key order).
+``decode(verify=..., require_signature=..., expected_signer=...)`` checks it. ``read_header``
+never verifies anything: use it for routing, never for trust.
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ import torch
 from ddiloco_geo.clocks import VectorClock
 from ddiloco_geo.errors import CodecError
 from ddiloco_geo.keys import ID_PATTERN
+from ddiloco_geo.signing import SIGNATURE_FIELD, SIGNER_FIELD, Signer, Verifier, signed_message
 
 FORMAT_VERSION = 1
 FORMAT_KEY = "ddiloco.format"
@@ -115,6 +127,7 @@ class Header:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
     dtypes: dict[str, str] = field(default_factory=dict, compare=False)
     checksum: str = field(default="", compare=False)
+    signer: str = field(default="", compare=False)  # key id; trustworthy only after decode(verify=...)
 
 
 _INT_FIELDS = ("fragment", "seq", "base_version", "version", "num_steps", "num_tokens", "block_size")
@@ -129,13 +142,18 @@ def encode(
     *,
     codec: str | None = None,
     block_size: int | None = None,
+    signer: Signer | None = None,
 ) -> bytes:
     """Serialize ``tensors`` (floating point, any device) with ``header`` as one safetensors object.
 
     ``codec``/``block_size`` override the header's; the header's ``block_size`` 0 means the
-    default (128) for int8/int4. Raises ValueError for unusable arguments and
+    default (128) for int8/int4. With ``signer`` the metadata also gets ``signer`` (its key id)
+    and ``signature`` (HMAC over every other metadata field, checksum included; see
+    ``ddiloco_geo.signing``). Raises ValueError for unusable arguments and
     ``CodecError("nonfinite", name)`` if a tensor holds NaN/Inf (it must not reach the wire).
     """
+    if signer is not None and not isinstance(signer, Signer):
+        raise ValueError(f"signer: expected a signing.Signer, got {type(signer).__name__}")
     codec = header.codec if codec is None else codec
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {', '.join(CODECS)}")
@@ -178,6 +196,9 @@ def encode(
         **{f: str(getattr(header, f)) for f in _INT_FIELDS},
         "block_size": str(block_size),
     }
+    if signer is not None:
+        metadata[SIGNER_FIELD] = signer.key_id
+        metadata[SIGNATURE_FIELD] = signer.sign(signed_message(metadata))
     return _serialize(stored, metadata)
 
 
@@ -357,13 +378,28 @@ def decode(
     run_id: str | None = None,
     expect: Mapping[str, tuple[int, ...]] | None = None,
     max_bytes: int = 2**31,
+    verify: Verifier | None = None,
+    require_signature: bool = False,
+    expected_signer: str | None = None,
 ) -> tuple[Header, dict[str, torch.Tensor]]:
     """Validate and decode one object: (header, {name: float32 tensor of the original shape}).
 
     ``kind``/``run_id``, when given, must match; ``expect`` ({name: shape}) must match the object's
-    tensors exactly. Raises only CodecError (see the module docstring for the reasons)."""
+    tensors exactly. Raises only CodecError (see the module docstring for the reasons).
+
+    Signatures (checked after the checksum, before ``nonfinite``), only when ``verify`` is given:
+    an object without a ``signature`` is ``unsigned`` if ``require_signature`` (else accepted,
+    with ``header.signer`` cleared); a signature that does not verify, or names a key id the
+    verifier does not know, is ``bad_signature`` (even when signatures are not required); a valid
+    signature by another key id than ``expected_signer`` is ``wrong_signer``. Without ``verify``
+    nothing is verified and ``header.signer`` is only a claim; ``require_signature`` without
+    ``verify`` is a programming error (ValueError, before reading ``data``)."""
+    if require_signature and verify is None:
+        raise ValueError("decode(require_signature=True) needs a verifier")
+    if verify is not None and not isinstance(verify, Verifier):
+        raise ValueError(f"verify: expected a signing.Verifier, got {type(verify).__name__}")
     try:
-        return _decode(data, kind, run_id, expect, max_bytes)
+        return _decode(data, kind, run_id, expect, max_bytes, verify, require_signature, expected_signer)
     except CodecError:
         raise
     except Exception as exc:  # noqa: BLE001 - the contract: nothing but CodecError escapes
@@ -372,7 +408,11 @@ def decode(
 
 def read_header(data: bytes) -> Header:
     """Parse and validate only the header. ``data`` may be just a prefix of the object (at least
-    ``header_span(data)`` bytes); tensors are neither read nor checksummed."""
+    ``header_span(data)`` bytes); tensors are neither read nor checksummed.
+
+    Nothing is verified here: no checksum, no signature (``header.signer`` is a claim). Use it for
+    routing and listing views only, never to trust an object; ``decode(verify=...)`` is the only
+    authenticated path."""
     try:
         mv = _as_bytes(data)
         entries, _ = _parse_framing(mv, prefix_only=True)
@@ -402,7 +442,7 @@ def _as_bytes(data: Any) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def _decode(data, kind, run_id, expect, max_bytes):
+def _decode(data, kind, run_id, expect, max_bytes, verify=None, require_signature=False, expected_signer=None):
     mv = _as_bytes(data)
     if len(mv) > max_bytes:
         raise CodecError("too_large", f"{len(mv)} bytes exceeds max_bytes={max_bytes}")
@@ -430,8 +470,28 @@ def _decode(data, kind, run_id, expect, max_bytes):
     if checksum != header.checksum:
         raise CodecError("checksum", f"tensor bytes hash to {checksum[:16]}..., header says "
                                      f"{header.checksum[:16]}...")  # fmt: skip
+    if verify is not None:
+        header.signer = _check_signature(entries["__metadata__"], verify, require_signature, expected_signer)
     _check_finite(header, stored, tensors)
     return header, tensors
+
+
+def _check_signature(meta: dict[str, str], verify: Verifier, required: bool, expected: str | None) -> str:
+    """Verify the metadata's signature; return the verified signer ('' for an accepted unsigned
+    object). Details name key ids, never keys or signature values."""
+    signature, signer = meta.get(SIGNATURE_FIELD), meta.get(SIGNER_FIELD)
+    if signature is None:
+        if required:
+            raise CodecError("unsigned", "object has no signature and signatures are required")
+        return ""
+    if signer is None:
+        raise CodecError("bad_signature", "signature without a signer key id")
+    if not verify.verify(signer, signed_message(meta), signature):
+        why = "does not verify" if verify.knows(signer) else "names an unknown key id"
+        raise CodecError("bad_signature", f"signature by {signer[:80]!r} {why}")
+    if expected is not None and signer != expected:
+        raise CodecError("wrong_signer", f"signed by {signer[:80]!r}, expected {expected[:80]!r}")
+    return signer
 
 
 def _parse_framing(mv: memoryview, *, prefix_only: bool) -> tuple[dict[str, Any], int]:
@@ -540,7 +600,8 @@ def _parse_metadata(entries: dict[str, Any]) -> Header:
     ints = {f: integer(f) for f in _INT_FIELDS}
     return Header(
         kind=kind, run_id=run, learner=learner, clock=clock, codec=text("codec"), extra=extra,
-        shapes={n: tuple(s) for n, s in shapes.items()}, dtypes=dtypes, checksum=checksum, **ints,
+        shapes={n: tuple(s) for n, s in shapes.items()}, dtypes=dtypes, checksum=checksum,
+        signer=meta.get(SIGNER_FIELD, ""), **ints,
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ddiloco_geo.errors import ConfigError
@@ -120,6 +120,8 @@ class SyncerConfig(Section):
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
     merge_spacing: float = Field(1.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
+    max_deltas_per_min: int = Field(1200, ge=1, description="per-learner rate limit on delta objects; more are rejected as rate_limit")
+    quarantine_after: int = Field(20, ge=1, description="rejections in a row after which a learner is quarantined (ignored until an operator deletes syncer/quarantine/<id>.json)")
     max_staleness: int = Field(8, ge=0, description="reject deltas whose base version is older than current - max_staleness")
     max_norm_ratio: float = Field(50.0, gt=1, description="reject a delta whose per-step norm exceeds this multiple of the fragment's running median")
     update_codec: Literal["none", "fp32", "bf16", "int8", "int4"] = Field(
@@ -157,6 +159,16 @@ class AgentConfig(Section):
     checkpoint: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
 
 
+class SecurityConfig(Section):
+    """Signed objects (docs/security.md). Keys come from here or the environment, never the bucket."""
+
+    run_secret: SecretStr | None = Field(None, description="run secret every key is derived from (set DDILOCO_SECURITY__RUN_SECRET; never printed)")
+    require_signatures: bool | None = Field(None, description="reject unsigned objects (default: true when a run secret is set)")
+
+    def required(self) -> bool:
+        return self.run_secret is not None if self.require_signatures is None else self.require_signatures
+
+
 class MetricsConfig(Section):
     address: str | None = Field(None, description="host:port for Prometheus metrics and /healthz (127.0.0.1 only by default)")
 
@@ -176,6 +188,7 @@ class Settings(BaseSettings):
     local: LocalConfig = Field(default_factory=LocalConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Settings":

@@ -17,6 +17,7 @@ is numeric order::
     syncer/tape/f007/v0000000012.json                event-tape entry for one merge (create-only)
     syncer/rejected/<learner>/s000000000042-f007.json  why a delta was rejected (create-only)
     syncer/status/shard-000-of-001.json              syncer counters, lag and timings (compare-and-swap)
+    syncer/quarantine/<learner>.json                 a quarantined learner (create-only; deleted to lift)
     snapshots/<snapshot>/manifest.json               consistent cut (create-only)
 
 Why deltas live under the learner and not under the fragment: a learner's sequence number is
@@ -198,6 +199,11 @@ def rejected_key(learner: str, seq: int, fragment: int) -> str:
         f"{SYNCER}rejected/{check_id(learner, 'learner id')}/s{_num(seq, SEQ_DIGITS, 'seq')}"
         f"-f{_num(fragment, FRAGMENT_DIGITS, 'fragment')}.json"
     )
+
+
+def quarantine_key(learner: str) -> str:
+    """Present while a learner is quarantined; an operator lifts it by deleting the object."""
+    return f"{SYNCER}quarantine/{check_id(learner, 'learner id')}.json"
 
 
 def syncer_status_key(shard: int, num_shards: int) -> str:

@@ -42,7 +42,7 @@ import torch
 
 from ddiloco_geo import codec, keys, run as runmod
 from ddiloco_geo.clocks import VectorClock
-from ddiloco_geo.errors import CodecError, DdilocoError, NotFoundError, StorageError
+from ddiloco_geo.errors import CodecError, ConfigError, DdilocoError, NotFoundError, StorageError
 from ddiloco_geo.fragments import Schedule
 from ddiloco_geo.metrics import LearnerMetrics, Registry, export_store_stats, learner_metrics
 from ddiloco_geo.storage import Store
@@ -72,7 +72,8 @@ class Uploader:
 
     def __init__(self, store: Store, spec: runmod.RunSpec, learner: str, *, maxsize: int,
                  codec_name: str, block_size: int, first_seq: int, inline: bool = False,
-                 metrics: LearnerMetrics | None = None) -> None:
+                 metrics: LearnerMetrics | None = None, signer: Any = None) -> None:
+        self.signer = signer
         self.store, self.spec, self.learner = store, spec, learner
         self.inline = inline
         self.metrics = metrics or learner_metrics(Registry())
@@ -145,7 +146,8 @@ class Uploader:
                 num_steps=item.num_steps, num_tokens=item.num_tokens,
                 extra={"step": item.step, "step_s": item.step_s},
             )
-            data = codec.encode(item.pseudo_grad, header, codec=self.codec_name, block_size=self.block_size)
+            data = codec.encode(item.pseudo_grad, header, codec=self.codec_name, block_size=self.block_size,
+                                signer=self.signer)
             key = keys.delta_key(self.learner, seq, item.fragment)
             if self.store.put_if_absent(key, data):
                 break
@@ -187,8 +189,10 @@ class GlobalPoller:
     MAX_UPDATE_CHAIN = 4
 
     def __init__(self, store: Store, spec: runmod.RunSpec, poll_s: float, held: dict[int, int],
-                 current: dict[int, dict[str, torch.Tensor]], inline: bool = False) -> None:
+                 current: dict[int, dict[str, torch.Tensor]], inline: bool = False, verify: Any = None,
+                 require_signature: bool = False) -> None:
         self.store, self.spec, self.poll_s = store, spec, poll_s
+        self.verify, self.require_signature = verify, require_signature
         self.known = dict(held)
         self.current = dict(current)  # the tensors of each known version (shared, never mutated)
         self.lag: dict[int, int] = {}  # versions behind the index when last seen
@@ -227,7 +231,8 @@ class GlobalPoller:
                 fetched = self._via_updates(p, held, v)
             if fetched is None:
                 try:
-                    header, tensors = runmod.read_global(self.store, self.spec, p, v)
+                    header, tensors = runmod.read_global(self.store, self.spec, p, v, verify=self.verify,
+                                                         require_signature=self.require_signature)
                     fetched = (tensors, header.clock)
                     self.counters["globals_fetched"] += 1
                 except (CodecError, NotFoundError) as exc:
@@ -246,7 +251,9 @@ class GlobalPoller:
             for v in range(held + 1, version + 1):
                 data = self.store.get(keys.global_update_key(p, v))
                 header, change = codec.decode(data, kind="update", run_id=self.spec.run_id,
-                                              expect=self.spec.plan.expect(p))
+                                              expect=self.spec.plan.expect(p), verify=self.verify,
+                                              require_signature=self.require_signature,
+                                              expected_signer="syncer" if self.verify is not None else None)
                 if header.fragment != p or header.version != v or header.base_version != v - 1:
                     raise CodecError("bad_header", f"update {p}/{v} claims {header.fragment}/{header.version}")
                 tensors = {n: tensors[n] + change[n] for n in tensors}
@@ -278,6 +285,8 @@ class Learner:
         self.inline_io = inline_io
         self.learner_id = self.cfg.id or default_learner_id()
         keys.check_id(self.learner_id, "learner id")
+        self.signer, self.global_verifier, self.own_verifier = _learner_keys(settings.security, self.learner_id)
+        self.require_signatures = settings.security.required()
         self.device = torch.device(self.cfg.device)
         torch.manual_seed(settings.model.seed + 1000 * _shard_index(settings.data.shard) + rank)
         self.model = modelmod.build_model(settings.model).to(self.device)
@@ -328,7 +337,8 @@ class Learner:
         self.clock = VectorClock()
         if self.rank == 0:
             for p in range(P):
-                header, tensors = runmod.read_global(self.store, self.spec, p, index[p])
+                header, tensors = runmod.read_global(self.store, self.spec, p, index[p], verify=self.global_verifier,
+                                                     require_signature=self.require_signatures)
                 self.modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()})
                 self.base[p] = tensors
                 self.base_version[p] = index[p]
@@ -348,9 +358,10 @@ class Learner:
             first_seq = _next_seq(self.store, self.learner_id)
             self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
                                      codec_name=self.spec.codec, block_size=self.spec.block_size, first_seq=first_seq,
-                                     inline=self.inline_io, metrics=self.metrics)
+                                     inline=self.inline_io, metrics=self.metrics, signer=self.signer)
             self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
-                                       dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled)
+                                       dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled,
+                                       verify=self.global_verifier, require_signature=self.require_signatures)
         log.info("learner_joined learner=%s run=%s fragments=%d versions=%s world=%d", self.learner_id,
                  self.spec.run_id, P, self.base_version, self.world)
 
@@ -391,7 +402,7 @@ class Learner:
                    "last_sent_step": self.last_sent_step, "cursors": cursors, "adam_steps": adam_steps,
                    "world": self.world, "plan_digest": self.spec.plan.digest(), "reason": self.stop_reason},
         )
-        data = codec.encode(tensors, header, codec="fp32")
+        data = codec.encode(tensors, header, codec="fp32", signer=self.signer)
         existing = self.store.list(keys.checkpoints_dir(self.learner_id))
         number = len(existing)
         while not self.store.put_if_absent(keys.checkpoint_key(self.learner_id, number), data):
@@ -435,7 +446,8 @@ class Learner:
                 self.clock = self.clock.merge(found[1].clock)
                 for p, v in enumerate(info["base_version"]):
                     if int(v) != self.base_version[p]:
-                        self.base[p] = runmod.read_global(self.store, self.spec, p, int(v))[1]
+                        self.base[p] = runmod.read_global(self.store, self.spec, p, int(v), verify=self.global_verifier,
+                                                          require_signature=self.require_signatures)[1]
                         self.base_version[p] = int(v)
             self._broadcast_model()
             self.c_steps = [int(x) for x in info["c_steps"]]
@@ -449,7 +461,10 @@ class Learner:
     def _latest_checkpoint(self):
         for key in reversed(self.store.list(keys.checkpoints_dir(self.learner_id))):
             try:
-                return (key, *codec.decode(self.store.get(key), kind="checkpoint", run_id=self.spec.run_id))
+                return (key, *codec.decode(
+                    self.store.get(key), kind="checkpoint", run_id=self.spec.run_id, verify=self.own_verifier,
+                    require_signature=self.require_signatures,
+                    expected_signer=f"learner:{self.learner_id}" if self.own_verifier is not None else None))
             except (CodecError, NotFoundError) as exc:
                 log.warning("checkpoint_unusable key=%s reason=%s", key, exc)
         return None
@@ -685,6 +700,22 @@ class Learner:
                 _, self._hb_token = self.store.read_token(key)
             except StorageError:
                 self._hb_token = None
+
+
+def _learner_keys(security, learner_id: str):
+    """(signer for this learner's objects, verifier of the syncer's, verifier of its own)."""
+    if security.run_secret is None:
+        if security.required():
+            raise ConfigError("security.require_signatures is set but no security.run_secret: "
+                              "set DDILOCO_SECURITY__RUN_SECRET on every learner and syncer")
+        return None, None, None
+    from ddiloco_geo import signing
+
+    secret = security.run_secret.get_secret_value()
+    signer = signing.signer_for(secret, "learner", learner_id)
+    own_key, own_id = signing.derive_key(secret, "learner", learner_id), signing.key_id("learner", learner_id)
+    return (signer, signing.syncer_verifier(signing.derive_key(secret, "syncer")),
+            signing.Verifier(lambda kid: own_key if kid == own_id else None))
 
 
 def lr_schedule(step: int, lr: float, warmup_steps: int, max_steps: int) -> float:

@@ -113,6 +113,8 @@ class LocalRun:
         env = dict(os.environ)
         # M learners and a syncer share the machine's cores: one intra-op thread each by default
         env.setdefault("OMP_NUM_THREADS", "1")
+        if self.settings.security.run_secret is not None:
+            env["DDILOCO_SECURITY__RUN_SECRET"] = self.settings.security.run_secret.get_secret_value()
         return env
 
     def _spawn(self, name: str, argv: list[str]) -> None:
@@ -131,7 +133,8 @@ class LocalRun:
         s = self.settings
         self.out.mkdir(parents=True, exist_ok=True)
         self._prepare_store()
-        (self.out / "settings.json").write_text(s.model_dump_json(indent=1))
+        # the run secret reaches the children through their environment, never through a file
+        (self.out / "settings.json").write_text(s.model_dump_json(indent=1, exclude={"security": {"run_secret"}}))
         started = time.time()
         self._spawn("syncer", ["syncer"])
         M = s.local.learners

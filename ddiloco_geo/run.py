@@ -166,9 +166,13 @@ def latest_version(store: Store, fragment: int, hint: int | None = None) -> int 
     return hint
 
 
-def read_global(store: Store, spec: RunSpec, fragment: int, version: int) -> tuple[codec.Header, dict[str, torch.Tensor]]:
+def read_global(store: Store, spec: RunSpec, fragment: int, version: int, *, verify=None,
+                require_signature: bool = False) -> tuple[codec.Header, dict[str, torch.Tensor]]:
+    """A global fragment version; with ``verify``, only if the syncer signed it."""
     data = store.get(keys.global_key(fragment, version))
-    header, tensors = codec.decode(data, kind="global", run_id=spec.run_id, expect=spec.plan.expect(fragment))
+    header, tensors = codec.decode(data, kind="global", run_id=spec.run_id, expect=spec.plan.expect(fragment),
+                                   verify=verify, require_signature=require_signature,
+                                   expected_signer="syncer" if verify is not None else None)
     if header.fragment != fragment or header.version != version:
         raise CodecError("bad_header", f"global {fragment}/{version} claims {header.fragment}/{header.version}")
     return header, tensors
@@ -231,6 +235,12 @@ def ledger(store: Store) -> dict[str, Any]:
     for k in written:
         if k in rejected and k not in merged and k not in superseded:
             by_reason[rejected[k]] = by_reason.get(rejected[k], 0) + 1
+    # deltas of a quarantined learner are ignored without a record each: they count as rejected
+    quarantined = {k[len(keys.SYNCER + "quarantine/"):-len(".json")] for k in store.list(keys.SYNCER + "quarantine/")}
+    for k in sorted(written - merged - superseded - set(rejected)):
+        if keys.parse_learner(k) in quarantined:
+            rejected[k] = "quarantined"
+            by_reason["quarantined"] = by_reason.get("quarantined", 0) + 1
     accounted = merged | superseded | set(rejected)
     unaccounted = sorted(written - accounted)
     versions: dict[int, int] = {}

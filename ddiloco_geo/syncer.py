@@ -51,7 +51,7 @@ import torch
 
 from ddiloco_geo import codec, keys, merge, run as runmod
 from ddiloco_geo.clocks import VectorClock
-from ddiloco_geo.errors import CodecError, DdilocoError, NotFoundError, StorageError
+from ddiloco_geo.errors import CodecError, ConfigError, DdilocoError, NotFoundError, StorageError
 from ddiloco_geo.metrics import Registry, export_store_stats, syncer_metrics
 from ddiloco_geo.outer import OuterOptimizer
 from ddiloco_geo.storage import Store
@@ -123,6 +123,11 @@ class Syncer:
         shard: str,
         is_embedding: Callable[[str], bool],
         update_codec: str = "int4",
+        max_deltas_per_min: int = 1200,
+        quarantine_after: int = 20,
+        signer: Any = None,
+        verifier: Any = None,
+        require_signatures: bool = False,
         now: Callable[[], float] = time.monotonic,
         **_ignored: Any,
     ) -> None:
@@ -140,7 +145,15 @@ class Syncer:
         self.shard_index, self.num_shards = (int(x) for x in shard.split("/"))
         self.is_embedding = is_embedding
         self.update_codec = update_codec
+        self.max_deltas_per_min = max_deltas_per_min
+        self.quarantine_after = quarantine_after
+        self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.now = now
+        self.recent: dict[str, deque] = defaultdict(deque)  # learner -> arrival times (rate limit)
+        self.strikes: dict[str, int] = defaultdict(int)  # learner -> rejections in a row
+        self.quarantined: set[str] = set()
+        self.last_clock: dict[str, int] = {}  # learner -> its own clock entry in its newest accepted delta
+        self.seen_checksums: dict[str, deque] = defaultdict(lambda: deque(maxlen=256))
         self.owned = [p for p in range(self.plan.num_fragments) if p % self.num_shards == self.shard_index]
         self.fragments: dict[int, FragmentState] = {}
         self.list_cursor: dict[str, str | None] = {}
@@ -190,14 +203,21 @@ class Syncer:
         log.info("syncer_ready shard=%d/%d fragments=%d versions=%s", self.shard_index, self.num_shards,
                  len(self.owned), {p: s.version for p, s in self.fragments.items()})
 
+    def _read_global(self, p: int, version: int):
+        return runmod.read_global(self.store, self.spec, p, version, verify=self.verifier,
+                                  require_signature=self.require_signatures)
+
     def _adopt_published(self, p: int, version: int) -> None:
-        header, params = runmod.read_global(self.store, self.spec, p, version)
+        header, params = self._read_global(p, version)
         outer = OuterOptimizer(**self.outer_kwargs)
         consumed: dict[str, int] = {}
         residual: dict[str, torch.Tensor] = {}
         state_key = header.extra.get("state_key")
         if state_key:
-            st_header, st_tensors = codec.decode(self.store.get(state_key), kind="state", run_id=self.spec.run_id)
+            st_header, st_tensors = codec.decode(
+                self.store.get(state_key), kind="state", run_id=self.spec.run_id, verify=self.verifier,
+                require_signature=self.require_signatures,
+                expected_signer="syncer" if self.verifier is not None else None)
             residual = {k[len(RESIDUAL):]: v for k, v in st_tensors.items() if k.startswith(RESIDUAL)}
             outer.load_state_dict(_outer_state_from_wire(
                 {k: v for k, v in st_tensors.items() if not k.startswith(RESIDUAL)}, st_header))
@@ -216,6 +236,12 @@ class Syncer:
     async def poll_once(self) -> int:
         """List and fetch new deltas; returns how many new delta keys were seen."""
         prefixes = await asyncio.to_thread(self.store.list_prefixes, keys.LEARNERS)
+        qkeys = await asyncio.to_thread(self.store.list, keys.SYNCER + "quarantine/")
+        listed = {k.rsplit("/", 1)[-1][: -len(".json")] for k in qkeys}
+        for lifted in self.quarantined - listed:  # an operator deleted the record: a fresh start
+            self.strikes[lifted] = 0
+            log.info("quarantine_lifted learner=%s", lifted)
+        self.quarantined = listed
         learners = []
         for prefix in prefixes:
             name = prefix[len(keys.LEARNERS):].strip("/")
@@ -233,6 +259,8 @@ class Syncer:
         return len(todo)
 
     async def _list_learner(self, learner: str, sem: asyncio.Semaphore) -> list[str]:
+        if learner in self.quarantined:
+            return []  # ignored until an operator lifts the quarantine (the ledger counts them)
         async with sem:
             found = await asyncio.to_thread(
                 self.store.list, keys.deltas_dir(learner), self.list_cursor.get(learner)
@@ -255,8 +283,19 @@ class Syncer:
                 continue
             if any(d.key == key for d in self.fragments[dk.fragment].pending):
                 continue
+            if self._rate_limited(dk.learner):
+                self._reject_delta(key, dk, "rate_limit", f"more than {self.max_deltas_per_min} deltas a minute")
+                continue
             out.append(key)
         return out
+
+    def _rate_limited(self, learner: str) -> bool:
+        now = time.monotonic()
+        times = self.recent[learner]
+        while times and times[0] < now - 60.0:
+            times.popleft()
+        times.append(now)
+        return len(times) > self.max_deltas_per_min
 
     async def _fetch(self, key: str, sem: asyncio.Semaphore) -> Any:
         async with sem:
@@ -269,7 +308,9 @@ class Syncer:
         dk = keys.parse_delta_key(key)
         try:
             return await asyncio.to_thread(
-                codec.decode, data, kind="delta", run_id=self.spec.run_id, expect=self.plan.expect(dk.fragment)
+                codec.decode, data, kind="delta", run_id=self.spec.run_id, expect=self.plan.expect(dk.fragment),
+                verify=self.verifier, require_signature=self.require_signatures,
+                expected_signer=f"learner:{dk.learner}" if self.verifier is not None else None,
             )
         except CodecError as exc:
             return exc
@@ -295,6 +336,7 @@ class Syncer:
         step_s = header.extra.get("step_s")
         if isinstance(step_s, (int, float)) and 0 < step_s < 3600:
             self.ema_step.update(float(step_s))
+        self.strikes[dk.learner] = 0
         now = self.now()
         if not state.pending:
             state.round_open_s = now
@@ -308,6 +350,11 @@ class Syncer:
             return "wrong_fragment", f"header says {header.fragment}, key says {dk.fragment}"
         if header.seq != dk.seq:
             return "wrong_seq", f"header says {header.seq}, key says {dk.seq}"
+        if header.checksum in self.seen_checksums[dk.learner]:
+            return "replay", "same payload as an earlier delta of this learner"
+        own = header.clock[dk.learner]
+        if own <= self.last_clock.get(dk.learner, 0) or own != dk.seq + 1:
+            return "clock_backwards", f"own clock entry {own} after {self.last_clock.get(dk.learner, 0)} (seq {dk.seq})"
         if header.num_steps < 1 or header.num_tokens < 1:
             return "no_steps", f"steps={header.num_steps} tokens={header.num_tokens}"
         if header.base_version > state.version:
@@ -321,10 +368,23 @@ class Syncer:
             if median > 0 and norm > self.max_norm_ratio * median:
                 return "norm", f"per-step norm {norm:.3g} > {self.max_norm_ratio} x median {median:.3g}"
         state.norms.append(norm)
+        self.seen_checksums[dk.learner].append(header.checksum)
+        self.last_clock[dk.learner] = own
         return None, ""
 
     def _reject_delta(self, key: str, dk: keys.DeltaKey, reason: str, detail: str) -> None:
         self._count_reject(reason, key, detail)
+        self.strikes[dk.learner] += 1
+        if self.strikes[dk.learner] >= self.quarantine_after and dk.learner not in self.quarantined:
+            self.quarantined.add(dk.learner)
+            record = {"learner": dk.learner, "at": time.time(), "last_reason": reason,
+                      "strikes": self.strikes[dk.learner], "lift": f"delete {keys.quarantine_key(dk.learner)}"}
+            try:
+                self.store.put_if_absent(keys.quarantine_key(dk.learner), json.dumps(record).encode())
+            except StorageError as exc:
+                log.warning("quarantine_record_failed learner=%s error=%s", dk.learner, exc)
+            log.warning("learner_quarantined learner=%s strikes=%d last_reason=%s", dk.learner,
+                        self.strikes[dk.learner], reason)
         record = {"key": key, "learner": dk.learner, "seq": dk.seq, "fragment": dk.fragment,
                   "reason": reason, "detail": detail[:500], "at": time.time()}
         try:
@@ -380,7 +440,7 @@ class Syncer:
     def _base_params(self, state: FragmentState, version: int) -> dict[str, torch.Tensor]:
         if version in state.history:
             return state.history[version]
-        _, params = runmod.read_global(self.store, self.spec, state.fragment, version)
+        _, params = self._read_global(state.fragment, version)
         return params
 
     def merge_fragment(self, state: FragmentState) -> bool:
@@ -460,12 +520,12 @@ class Syncer:
         state_header = codec.Header(kind="state", run_id=self.spec.run_id, fragment=p, version=version, clock=clock,
                                     extra={"consumed": consumed, "global": keys.global_key(p, version),
                                            "outer_num_steps": outer_steps})
-        self.store.put_if_absent(state_key, codec.encode(tensors, state_header, codec="fp32"))
+        self.store.put_if_absent(state_key, codec.encode(tensors, state_header, codec="fp32", signer=self.signer))
         record = {**record, "state_key": state_key, "published_at": time.time()}
         header = codec.Header(kind="global", run_id=self.spec.run_id, fragment=p, version=version, clock=clock,
                               extra=record)
         gkey = keys.global_key(p, version)
-        created = self.store.put_if_absent(gkey, codec.encode(params, header, codec="fp32"))
+        created = self.store.put_if_absent(gkey, codec.encode(params, header, codec="fp32", signer=self.signer))
         if not created:
             winner = runmod.read_header(self.store, gkey)
             if winner.extra.get("state_key") != state_key:
@@ -501,7 +561,7 @@ class Syncer:
         header = codec.Header(kind="update", run_id=self.spec.run_id, fragment=state.fragment, version=version,
                               base_version=state.version, clock=clock)
         return compress_update(state.params, new_params, state.residual, header, self.update_codec,
-                               self.spec.block_size)
+                               self.spec.block_size, signer=self.signer)
 
     # --- status ----------------------------------------------------------------------------------
 
@@ -517,7 +577,7 @@ class Syncer:
             "ema_sync_s": self.ema_sync.get(), "grace_gamma": self.grace_gamma,
             "counters": c, "last_merge": {str(p): m for p, m in self.last_merge.items()},
             "storage": self.store.stats.snapshot(),
-            "draining": self._draining,
+            "draining": self._draining, "quarantined": sorted(self.quarantined),
         }
 
     def write_status(self, force: bool = False) -> None:
@@ -597,7 +657,7 @@ def merge_and_step(params: dict[str, torch.Tensor], outer: OuterOptimizer, ancho
 
 
 def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], residual: dict[str, torch.Tensor],
-                    header: codec.Header, codec_name: str, block_size: int
+                    header: codec.Header, codec_name: str, block_size: int, signer: Any = None
                     ) -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Quantize a version's change for learners, with error feedback.
 
@@ -612,7 +672,8 @@ def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
     published = {n: old[n] + sent[n] for n in old}
     new_residual = {n: change[n] - sent[n] for n in old}
     header.extra = {**header.extra, "global_checksum": codec.checksum_of(published)}
-    return codec.encode(change, header, codec=codec_name, block_size=block_size), published, new_residual
+    return (codec.encode(change, header, codec=codec_name, block_size=block_size, signer=signer),
+            published, new_residual)
 
 
 def _outer_state_to_wire(outer: OuterOptimizer) -> tuple[dict[str, torch.Tensor], int]:
@@ -638,6 +699,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", help="'i/S': own fragments p with p %% S == i")
     p.add_argument("--grace-gamma", type=float, help="share of slack spent waiting for stragglers (0: no grace)")
     p.add_argument("--idle-exit", type=float, help="exit after this many seconds without activity")
+
+
+def security_kwargs(security) -> dict[str, Any]:
+    """The syncer's signer (its own key) and a verifier for every learner's key and its own."""
+    if security.run_secret is None:
+        if security.required():
+            raise ConfigError("security.require_signatures is set but no security.run_secret: "
+                              "set DDILOCO_SECURITY__RUN_SECRET on every learner and syncer")
+        return {}
+    from ddiloco_geo import signing
+
+    secret = security.run_secret.get_secret_value()
+    return {"signer": signing.signer_for(secret, "syncer"), "verifier": signing.run_verifier(secret),
+            "require_signatures": security.required()}
 
 
 def build_spec(settings) -> tuple[runmod.RunSpec, dict[str, torch.Tensor]]:
@@ -669,7 +744,8 @@ def run(args: argparse.Namespace) -> int:
     spec, params = build_spec(settings)
     spec = runmod.create_or_load_spec(store, spec)
     patterns = settings.model.embedding_patterns
-    syncer = Syncer(store, spec, **cfg.model_dump(), is_embedding=lambda n: is_embedding(n, patterns))
+    syncer = Syncer(store, spec, **cfg.model_dump(), is_embedding=lambda n: is_embedding(n, patterns),
+                    **security_kwargs(settings.security))
     syncer.bootstrap(params)
     from ddiloco_geo.metrics import serve_from_config
 

@@ -18,6 +18,7 @@ SNAPSHOT = {
     "tape": "syncer/tape/f007/v0000000012.json",
     "rejected": "syncer/rejected/eu-west-1-a/s000000000042-f007.json",
     "status": "syncer/status/shard-001-of-004.json",
+    "quarantine": "syncer/quarantine/eu-west-1-a.json",
     "snapshot": "snapshots/snap-1/manifest.json",
 }
 
@@ -37,6 +38,7 @@ def test_layout_snapshot():
         "tape": keys.tape_key(7, 12),
         "rejected": keys.rejected_key("eu-west-1-a", 42, 7),
         "status": keys.syncer_status_key(1, 4),
+        "quarantine": keys.quarantine_key("eu-west-1-a"),
         "snapshot": keys.snapshot_manifest_key("snap-1"),
     }
     assert got == SNAPSHOT

@@ -22,8 +22,8 @@ SMALL = [
 ]
 
 
-def ddiloco(*argv: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def ddiloco(*argv: str, cwd: Path, timeout: float = 420, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "ddiloco_geo", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -55,12 +55,28 @@ def test_three_learners_and_a_syncer_on_the_moto_server(make_storage_config, tmp
     assert json.loads((out / "summary.json").read_text())["final_eval_loss"] == summary["final_eval_loss"]
 
 
-def test_local_directory_default_and_status(tmp_path):
+def test_local_directory_default_and_status_with_signed_objects(tmp_path):
     out = tmp_path / "out"
-    proc = ddiloco("local", "--learners", "2", "--steps", "40", "--out", str(out), "--json", *SMALL, cwd=tmp_path)
+    secret = "correct horse battery staple"
+    proc = ddiloco("local", "--learners", "2", "--steps", "40", "--out", str(out), "--json", *SMALL, cwd=tmp_path,
+                   env={"DDILOCO_SECURITY__RUN_SECRET": secret})
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout)
     check_summary(summary, learners=2)
+    assert summary["deltas_rejected"] == 0  # every delta was signed and verified
+    # the secret is in no file and no log
+    for path in [*out.rglob("*"), *(tmp_path / "ddiloco-run").rglob("*.json")]:
+        if path.is_file():
+            assert secret not in path.read_text(errors="ignore"), path
+    assert secret not in proc.stderr
+    from ddiloco_geo import codec, keys as keymod
+    from ddiloco_geo.storage import open_store
+    from ddiloco_geo import config
+
+    st = open_store(config.load(cli={"storage": {"url": f"file://{tmp_path / 'ddiloco-run'}"}}, environ={})[0].storage)
+    delta = st.list(keymod.deltas_dir("learner-0"))[0]
+    assert codec.read_header(st.get(delta)).signer == "learner:learner-0"
+    assert codec.read_header(st.get(keymod.global_key(0, 1))).signer == "syncer"
     assert (tmp_path / "ddiloco-run" / "run.json").exists()  # the embedded default store
     status = ddiloco("status", "file://./ddiloco-run", "--json", cwd=tmp_path, timeout=120)
     assert status.returncode == 0, status.stderr

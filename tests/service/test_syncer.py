@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from ddiloco_geo import codec, keys, merge, run as runmod
+from ddiloco_geo.clocks import VectorClock
+from ddiloco_geo.errors import CodecError
 from ddiloco_geo.outer import OuterOptimizer
 
 
@@ -172,8 +174,8 @@ def test_stale_and_absurd_norm_deltas_are_rejected(tiny_run):
     run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.max_staleness": 1, "syncer.max_norm_ratio": 10.0})
     syncer = run.syncer()
     p = 3
-    for _ in range(9):  # build a norm history and move the fragment to version 9
-        run.write_delta("a", p, pg_const(run, p, 0.01), base_version=syncer.fragments[p].version)
+    for i in range(9):  # build a norm history and move the fragment to version 9
+        run.write_delta("a", p, pg_const(run, p, 0.01 + 1e-4 * i), base_version=syncer.fragments[p].version)
         poll(syncer)
         syncer.merge_ready()
     run.write_delta("b", p, pg_const(run, p, 0.01), base_version=2)
@@ -328,3 +330,85 @@ def test_merge_spacing_keeps_one_merge_per_fragment_period(tiny_run):
     assert syncer.merge_ready() == 1
     rec = runmod.read_header(run.store, keys.global_key(0, 2)).extra
     assert rec["contributors"] == 2  # b and c gathered into one merge
+
+
+def test_replayed_and_backwards_deltas_are_rejected(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.merge_spacing": 0.0})
+    syncer = run.syncer()
+    pg = pg_const(run, 0, 0.02)
+    run.write_delta("a", 0, pg)
+    poll(syncer)
+    syncer.merge_ready()
+    run.write_delta("a", 0, pg)  # the same payload again, under a new key: a replay
+    run.write_delta("a", 2, seq=5, header_overrides={"clock": VectorClock({"a": 1})})  # clock went back
+    poll(syncer)
+    assert syncer.counters["rejected_by_reason"] == {"replay": 1, "clock_backwards": 1}
+
+
+def test_a_learner_that_keeps_failing_is_quarantined_and_accounted(tiny_run):
+    run = tiny_run(**{"syncer.quarantine_after": 3})
+    syncer = run.syncer()
+    for _ in range(3):
+        run.write_delta("evil", 0, raw=b"garbage" * 10)
+    poll(syncer)
+    assert sum(syncer.counters["rejected_by_reason"].values()) == 3
+    assert "evil" in syncer.status()["quarantined"]
+    assert run.store.get(keys.quarantine_key("evil"))
+    for _ in range(2):  # ignored from now on: not even fetched
+        run.write_delta("evil", 0, raw=b"garbage" * 10)
+    seen = syncer.counters["deltas_seen"]
+    poll(syncer)
+    assert syncer.counters["deltas_seen"] == seen
+    ledger = runmod.ledger(run.store)
+    assert ledger["deltas_unaccounted"] == 0 and ledger["rejected_by_reason"].get("quarantined") == 2
+    # an operator lifts the quarantine by deleting the record; the learner is heard again
+    run.store.delete(keys.quarantine_key("evil"))
+    poll(syncer)
+    assert "evil" not in syncer.status()["quarantined"]
+
+
+def test_rate_limit(tiny_run):
+    run = tiny_run(**{"syncer.max_deltas_per_min": 3, "syncer.quarantine_after": 100})
+    syncer = run.syncer()
+    for _ in range(5):
+        run.write_delta("fast", 1)
+    poll(syncer)
+    assert syncer.counters["rejected_by_reason"] == {"rate_limit": 2}
+
+
+def test_signed_run_rejects_unsigned_forged_and_impersonating_deltas(tiny_run):
+    from ddiloco_geo import signing
+
+    secret = "test-run-secret"
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})
+    syncer_kwargs = {"signer": signing.signer_for(secret, "syncer"), "verifier": signing.run_verifier(secret),
+                     "require_signatures": True}
+    from ddiloco_geo.model import is_embedding
+    from ddiloco_geo.syncer import Syncer
+
+    syncer = Syncer(run.store, run.spec, **run.settings.syncer.model_dump(),
+                    is_embedding=lambda n: is_embedding(n, []), now=run.clock, **syncer_kwargs)
+    syncer.bootstrap(run.params)
+
+    def signed(learner, seq, as_learner=None, key_secret=secret):
+        pg = pg_const(run, 2, 0.01 * (seq + 1))
+        header = codec.Header(kind="delta", run_id=run.spec.run_id, fragment=2, learner=learner, seq=seq,
+                              base_version=0, clock=VectorClock({learner: seq + 1}), num_steps=4, num_tokens=64)
+        return codec.encode(pg, header, codec="fp32",
+                            signer=signing.signer_for(key_secret, "learner", as_learner or learner))
+
+    run.write_delta("good", 2, raw=signed("good", 0))
+    run.write_delta("nosig", 2)  # unsigned
+    run.write_delta("forger", 2, raw=signed("forger", 0, key_secret="wrong-secret"))
+    run.write_delta("victim", 2, raw=signed("victim", 0, as_learner="attacker"))
+    poll(syncer)
+    syncer.merge_ready()
+    assert syncer.counters["rejected_by_reason"] == {"unsigned": 1, "bad_signature": 1, "wrong_signer": 1}
+    header, _ = runmod.read_global(run.store, run.spec, 2, 1, verify=signing.run_verifier(secret),
+                                   require_signature=True)
+    assert [e["learner"] for e in header.extra["merged"]] == ["good"]
+    # learners verify the syncer's signature: a global signed with another key is refused
+    with pytest.raises(CodecError):
+        runmod.read_global(run.store, run.spec, 2, 1,
+                           verify=signing.syncer_verifier(signing.derive_key("other", "syncer")),
+                           require_signature=True)
