@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 SYNCER_ACTOR = "syncer"
 HISTORY_VERSIONS = 4
+MAX_HEADER_BYTES = 2**20  # a delta's safetensors header: names, shapes, clock, counters
 RESIDUAL = "residual."  # state-object prefix of the update codec's error-feedback tensors  # in-memory globals kept for anchoring; older bases are read from the bucket
 
 
@@ -83,7 +84,7 @@ class FragmentState:
     consumed: dict[str, int] = field(default_factory=dict)  # learner -> highest seq accounted for
     pending: list[PendingDelta] = field(default_factory=list)
     history: OrderedDict = field(default_factory=OrderedDict)  # version -> params
-    norms: deque = field(default_factory=lambda: deque(maxlen=32))
+    norms: dict = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=8)))  # learner -> per-step norms
     round_open_s: float | None = None
     quorum_s: float | None = None
     last_merge_s: float | None = None
@@ -298,14 +299,18 @@ class Syncer:
         return len(times) > self.max_deltas_per_min
 
     async def _fetch(self, key: str, sem: asyncio.Semaphore) -> Any:
+        dk = keys.parse_delta_key(key)
+        # an honest delta is at most the fragment in fp32 plus its header: never download more
+        limit = 4 * self.plan.numel(dk.fragment) + MAX_HEADER_BYTES
         async with sem:
             try:
-                data = await asyncio.to_thread(self.store.get, key)
+                data = await asyncio.to_thread(self.store.get, key, 0, limit + 1)
             except NotFoundError:
                 return CodecError("vanished", "listed but gone")
             except StorageError as exc:
                 return exc
-        dk = keys.parse_delta_key(key)
+        if len(data) > limit:
+            return CodecError("too_large", f"more than {limit} bytes for fragment {dk.fragment}")
         try:
             return await asyncio.to_thread(
                 codec.decode, data, kind="delta", run_id=self.spec.run_id, expect=self.plan.expect(dk.fragment),
@@ -344,14 +349,14 @@ class Syncer:
 
     def _validate(self, dk: keys.DeltaKey, header: codec.Header, pg: dict[str, torch.Tensor],
                   state: FragmentState) -> tuple[str | None, str]:
+        if header.checksum in self.seen_checksums[dk.learner]:
+            return "replay", "same payload as an earlier delta of this learner"
         if header.learner != dk.learner:
             return "wrong_learner", f"header says {header.learner!r}, prefix says {dk.learner!r}"
         if header.fragment != dk.fragment:
             return "wrong_fragment", f"header says {header.fragment}, key says {dk.fragment}"
         if header.seq != dk.seq:
             return "wrong_seq", f"header says {header.seq}, key says {dk.seq}"
-        if header.checksum in self.seen_checksums[dk.learner]:
-            return "replay", "same payload as an earlier delta of this learner"
         own = header.clock[dk.learner]
         if own <= self.last_clock.get(dk.learner, 0) or own != dk.seq + 1:
             return "clock_backwards", f"own clock entry {own} after {self.last_clock.get(dk.learner, 0)} (seq {dk.seq})"
@@ -363,11 +368,14 @@ class Syncer:
             return "stale", f"base {header.base_version} older than {state.version} - {self.max_staleness}"
         # per inner step: a delta after 24 steps is larger than one after 1, but by at most ~24x
         norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in pg.values()))) / header.num_steps
-        if len(state.norms) >= 8:
-            median = statistics.median(state.norms)
-            if median > 0 and norm > self.max_norm_ratio * median:
-                return "norm", f"per-step norm {norm:.3g} > {self.max_norm_ratio} x median {median:.3g}"
-        state.norms.append(norm)
+        # the reference is the median over learners of each learner's own recent median, so one
+        # learner (sending tiny or huge deltas) cannot move the bar for the others
+        others = [statistics.median(h) for l, h in state.norms.items() if h]
+        if sum(len(h) for h in state.norms.values()) >= 8:
+            reference = statistics.median(others)
+            if reference > 0 and norm > self.max_norm_ratio * reference:
+                return "norm", f"per-step norm {norm:.3g} > {self.max_norm_ratio} x reference {reference:.3g}"
+        state.norms[dk.learner].append(norm)
         self.seen_checksums[dk.learner].append(header.checksum)
         self.last_clock[dk.learner] = own
         return None, ""
