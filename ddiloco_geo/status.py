@@ -33,6 +33,7 @@ def _json_or_none(store: Store, key: str) -> dict[str, Any] | None:
 def collect(store: Store) -> dict[str, Any]:
     now = time.time()
     learners = []
+    quarantined = {k.rsplit("/", 1)[-1][: -len(".json")] for k in store.list(keys.SYNCER + "quarantine/")}
     for prefix in store.list_prefixes(keys.LEARNERS):
         name = prefix[len(keys.LEARNERS):].strip("/")
         if not keys.ID_PATTERN.match(name):
@@ -45,7 +46,8 @@ def collect(store: Store) -> dict[str, Any]:
             "learner": name, "region": hb.get("region"), "state": state, "last_seen_s": age,
             "step": hb.get("step"), "tokens": hb.get("tokens"), "tokens_per_s": hb.get("tokens_per_s"),
             "loss": hb.get("loss"), "deltas_sent": (hb.get("uploads") or {}).get("deltas_sent"),
-            "upload_queue": hb.get("upload_queue"),
+            "upload_queue": hb.get("upload_queue"), "quarantined": name in quarantined,
+            "rejected": len(store.list(f"{keys.SYNCER}rejected/{name}/")),
         })
     index, _ = runmod.read_index(store)
     syncers = []
@@ -54,7 +56,8 @@ def collect(store: Store) -> dict[str, Any]:
         if st:
             st["age_s"] = now - float(st.get("time", now))
             syncers.append({k: st.get(k) for k in ("shard", "age_s", "versions", "pending", "counters",
-                                                   "ema_step_s", "ema_sync_s", "last_merge", "draining")})
+                                                   "ema_step_s", "ema_sync_s", "last_merge", "draining",
+                                                   "quarantined")})
     return {"time": now, "url": store.url, "learners": learners, "versions": {str(p): v for p, v in sorted(index.items())},
             "syncers": syncers}
 
@@ -63,7 +66,7 @@ def render(snapshot: dict[str, Any], global_evals: list[dict[str, float]] | None
     from rich.table import Table
 
     table = Table(title=f"ddiloco-geo {snapshot['url']}", expand=False)
-    for col in ("learner", "region", "state", "step", "loss", "tok/s", "deltas", "queue"):
+    for col in ("learner", "region", "state", "step", "loss", "tok/s", "deltas", "queue", "rejected"):
         table.add_column(col)
     for l in snapshot["learners"]:
         table.add_row(
@@ -71,6 +74,7 @@ def render(snapshot: dict[str, Any], global_evals: list[dict[str, float]] | None
             f"{l['loss']:.3f}" if isinstance(l["loss"], (int, float)) else "-",
             f"{l['tokens_per_s']:.0f}" if isinstance(l["tokens_per_s"], (int, float)) else "-",
             str(l["deltas_sent"] or 0), str(l["upload_queue"] or 0),
+            f"{l['rejected']}" + (" QUARANTINED" if l["quarantined"] else ""),
         )
     versions = snapshot["versions"]
     caption = f"fragments={len(versions)} versions published={sum(versions.values())}"

@@ -361,6 +361,10 @@ def test_a_learner_that_keeps_failing_is_quarantined_and_accounted(tiny_run):
     assert syncer.counters["deltas_seen"] == seen
     ledger = runmod.ledger(run.store)
     assert ledger["deltas_unaccounted"] == 0 and ledger["rejected_by_reason"].get("quarantined") == 2
+    from ddiloco_geo.status import collect
+
+    view = {l["learner"]: l for l in collect(run.store)["learners"]}
+    assert view["evil"]["quarantined"] and view["evil"]["rejected"] == 3
     # an operator lifts the quarantine by deleting the record; the learner is heard again
     run.store.delete(keys.quarantine_key("evil"))
     poll(syncer)
