@@ -30,7 +30,7 @@ def _json_or_none(store: Store, key: str) -> dict[str, Any] | None:
         return None
 
 
-def collect(store: Store) -> dict[str, Any]:
+def collect(store: Store, egress_usd_per_gb: float = 0.02) -> dict[str, Any]:
     now = time.time()
     learners = []
     quarantined = {k.rsplit("/", 1)[-1][: -len(".json")] for k in store.list(keys.SYNCER + "quarantine/")}
@@ -47,6 +47,8 @@ def collect(store: Store) -> dict[str, Any]:
             "step": hb.get("step"), "tokens": hb.get("tokens"), "tokens_per_s": hb.get("tokens_per_s"),
             "loss": hb.get("loss"), "deltas_sent": (hb.get("uploads") or {}).get("deltas_sent"),
             "upload_queue": hb.get("upload_queue"), "quarantined": name in quarantined,
+            "bytes_up": int(((ex or hb).get("storage") or {}).get("bytes_up", 0)),
+            "bytes_down": int(((ex or hb).get("storage") or {}).get("bytes_down", 0)),
             "rejected": len(store.list(f"{keys.SYNCER}rejected/{name}/")),
         })
     index, _ = runmod.read_index(store)
@@ -58,8 +60,13 @@ def collect(store: Store) -> dict[str, Any]:
             syncers.append({k: st.get(k) for k in ("shard", "age_s", "versions", "pending", "counters",
                                                    "ema_step_s", "ema_sync_s", "last_merge", "draining",
                                                    "quarantined")})
+    moved = sum(l["bytes_up"] + l["bytes_down"] for l in learners)
+    totals = {"tokens": sum(l["tokens"] or 0 for l in learners), "learner_bytes": moved,
+              "egress_usd_per_gb": egress_usd_per_gb,
+              # learners sit in other regions than the bucket: their traffic is what crosses regions
+              "estimated_egress_usd": moved / 1e9 * egress_usd_per_gb}
     return {"time": now, "url": store.url, "learners": learners, "versions": {str(p): v for p, v in sorted(index.items())},
-            "syncers": syncers}
+            "syncers": syncers, "totals": totals}
 
 
 def render(snapshot: dict[str, Any], global_evals: list[dict[str, float]] | None = None):
@@ -84,6 +91,10 @@ def render(snapshot: dict[str, Any], global_evals: list[dict[str, float]] | None
                     f" merges={c.get('merges', 0)}")
     if global_evals:
         caption += f" | global eval loss={global_evals[-1]['loss']:.3f}"
+    t = snapshot.get("totals") or {}
+    if t:
+        caption += (f"\ntokens={t['tokens']:,} learner traffic={t['learner_bytes'] / 2**20:.1f} MiB "
+                    f"est. egress=${t['estimated_egress_usd']:.4f} at ${t['egress_usd_per_gb']}/GB")
     table.caption = caption
     return table
 
@@ -129,6 +140,7 @@ class LiveView:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", nargs="?", help="the run's --store URL")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    p.add_argument("--egress-usd-per-gb", type=float, default=0.02, help="price of cross-region traffic for the estimate")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,13 +151,13 @@ def run(args: argparse.Namespace) -> int:
     store = open_store(settings.storage)
     try:
         if args.json:
-            print(json.dumps(collect(store), indent=1, default=str))
+            print(json.dumps(collect(store, args.egress_usd_per_gb), indent=1, default=str))
             return 0
         from rich.console import Console
 
         console = Console()
         if not args.watch:
-            console.print(render(collect(store)))
+            console.print(render(collect(store, args.egress_usd_per_gb)))
             return 0
         with LiveView(store, live=True) as view:
             while True:

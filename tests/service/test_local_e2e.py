@@ -84,6 +84,8 @@ def test_local_directory_default_and_status_with_signed_objects(tmp_path):
     assert {l["learner"] for l in snap["learners"]} == {"learner-0", "learner-1"}
     assert all(l["state"] == "exited" for l in snap["learners"])
     assert snap["syncers"][0]["counters"]["deltas_merged"] > 0
+    assert snap["totals"]["tokens"] == summary["tokens_total"]
+    assert snap["totals"]["learner_bytes"] > 0 and snap["totals"]["estimated_egress_usd"] > 0
 
 
 def test_learner_under_torchrun_with_two_ranks(tmp_path):
