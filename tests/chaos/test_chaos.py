@@ -194,7 +194,6 @@ def test_goals():
     assert goals({**report, "loss_ratio": 1.05})["loss_within_3pct"] is False
     assert "loss_within_3pct" not in goals({**report, "loss_ratio": None})
     assert goals({**report, "deltas_rejected": 2})["ledger_balanced"] is False
-    assert goals({**report, "deltas_rejected": 2, "deltas_double_accounted": 1})["ledger_balanced"] is True
 
 
 # --- a short seeded chaos run on real processes --------------------------------------------------
@@ -240,9 +239,9 @@ def test_short_chaos_run_on_the_moto_server(make_storage_config, tmp_path):
     # the guarantees
     assert report["downtime_s"] == 0, context
     assert report["deltas_unaccounted"] == 0, report["unaccounted_keys"]
-    # a delta rejected by one syncer and merged by the other is counted twice by run.ledger
-    assert report["deltas_written"] == (report["deltas_merged"] + report["deltas_rejected"]
-                                        - report["deltas_double_accounted"]) > 0
+    # every delta counted exactly once (one rejected by one syncer and folded into a merged delta
+    # by the other counts as merged)
+    assert report["deltas_written"] == report["deltas_merged"] + report["deltas_rejected"] > 0
     restarted = report["restarted_merged_after_restart"]
     assert len(restarted) >= 2 and all(restarted.values()), report["restarts"]
     assert len(report["recovery_s"]["restart_to_first_merge"]) == len(restarted)
