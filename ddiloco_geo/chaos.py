@@ -520,7 +520,7 @@ class ChaosRun:
     def _resume_point(self, learner: str) -> tuple[int, int, str | None]:
         """(first delta seq, step, checkpoint) a (re)started learner resumes at, as the learner
         itself derives them: the next free sequence number and its newest decodable checkpoint."""
-        from ddiloco_geo import codec, keys, run as runmod
+        from ddiloco_geo import keys, run as runmod
         from ddiloco_geo.errors import CodecError, NotFoundError
 
         seqs = []
