@@ -125,12 +125,34 @@ def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 
     return direction.mul_(radius / dir_norm).to(torch.float32)
 
 
+ROBUST_MODES = ("none", "trimmed_mean", "median")
+
+
+def robust_mean(vectors: Sequence[torch.Tensor], mode: str, trim_ratio: float = 0.25) -> torch.Tensor:
+    """Coordinate-wise robust average for untrusted learners, unweighted (weights are claims a
+    malicious learner controls): ``median``, or ``trimmed_mean`` dropping ``floor(trim_ratio·M)``
+    values at each end of every coordinate (the median when that leaves nothing)."""
+    stacked = torch.stack([v.to(torch.float32) for v in vectors])
+    if mode == "median":
+        return stacked.median(dim=0).values if len(vectors) % 2 else stacked.quantile(0.5, dim=0)
+    if mode != "trimmed_mean":
+        raise ValueError(f"robust mode {mode!r}: expected one of {ROBUST_MODES}")
+    k = int(trim_ratio * len(vectors))
+    if len(vectors) - 2 * k < 1:
+        return robust_mean(vectors, "median")
+    ordered = stacked.sort(dim=0).values
+    return ordered[k:len(vectors) - k].mean(dim=0)
+
+
 def merge_fragment(
     pseudo_grads: Sequence[dict[str, torch.Tensor]],
     weights: Sequence[float],
     is_embedding: Callable[[str], bool],
+    robust: str = "none",
+    trim_ratio: float = 0.25,
 ) -> dict[str, torch.Tensor]:
-    """One merged pseudo-gradient per tensor: RDA, or the weighted mean for embeddings."""
+    """One merged pseudo-gradient per tensor: RDA, or the weighted mean for embeddings; with
+    ``robust`` set, a coordinate-wise robust average for every tensor instead."""
     ws = _check_weights(weights, len(pseudo_grads))
     names = list(pseudo_grads[0])
     for i, pg in enumerate(pseudo_grads[1:], start=1):
@@ -143,5 +165,8 @@ def merge_fragment(
             _check_shapes(vectors)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
-        out[name] = weighted_mean(vectors, ws) if is_embedding(name) else rda(vectors, ws)
+        if robust != "none":
+            out[name] = robust_mean(vectors, robust, trim_ratio)
+        else:
+            out[name] = weighted_mean(vectors, ws) if is_embedding(name) else rda(vectors, ws)
     return out

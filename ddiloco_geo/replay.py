@@ -247,7 +247,8 @@ class Replayer:
         okw = {**self.outer_kwargs, **(rec.get("outer") or {})}
         outer = OuterOptimizer(**okw)
         outer.load_state_dict(_outer_state_from_wire(state.momentum, state.header))
-        new_params, stepped = merge_and_step(params, outer, anchored, weights, self.is_embedding, okw)
+        new_params, stepped = merge_and_step(params, outer, anchored, weights, self.is_embedding, okw,
+                                             rec.get("robust", "none"), rec.get("trim_ratio", 0.25))
 
         momentum = {k: t for k, t in stepped.state_dict().items() if k.startswith(MOMENTUM_PREFIX)}
         common = {"momentum": momentum, "num_steps": stepped.num_steps,

@@ -125,6 +125,8 @@ class Syncer:
         is_embedding: Callable[[str], bool],
         update_codec: str = "int4",
         max_deltas_per_min: int = 1200,
+        robust: str = "none",
+        trim_ratio: float = 0.25,
         quarantine_after: int = 20,
         signer: Any = None,
         verifier: Any = None,
@@ -147,6 +149,7 @@ class Syncer:
         self.is_embedding = is_embedding
         self.update_codec = update_codec
         self.max_deltas_per_min = max_deltas_per_min
+        self.robust, self.trim_ratio = robust, trim_ratio
         self.quarantine_after = quarantine_after
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.now = now
@@ -483,7 +486,7 @@ class Syncer:
             state.quorum_s = None
             return False
         new_params, outer = merge_and_step(state.params, state.outer, anchored, weights, self.is_embedding,
-                                           self.outer_kwargs)
+                                           self.outer_kwargs, self.robust, self.trim_ratio)
         clock = state.clock
         for d in contribs:
             clock = clock.merge(d.header.clock)
@@ -492,6 +495,7 @@ class Syncer:
             "contributors": len({e["learner"] for e in entries}), "grace_s": grace,
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
             "outer": self.outer_kwargs, "update_codec": self.update_codec,
+            "robust": self.robust, "trim_ratio": self.trim_ratio,
         }
         won = self._publish(state, new_params, outer, record, consumed, clock)
         if won:
@@ -656,9 +660,11 @@ def anchor(current: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
 
 def merge_and_step(params: dict[str, torch.Tensor], outer: OuterOptimizer, anchored: list[dict[str, torch.Tensor]],
                    weights: list[float], is_embedding: Callable[[str], bool],
-                   outer_kwargs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
-    """Token-weighted RDA (mean for embeddings), then one outer Nesterov step on a copy of ``outer``."""
-    delta = merge.merge_fragment(anchored, weights, is_embedding)
+                   outer_kwargs: dict[str, Any], robust: str = "none",
+                   trim_ratio: float = 0.25) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
+    """Token-weighted RDA (mean for embeddings), or a robust average; then one outer Nesterov step
+    on a copy of ``outer``."""
+    delta = merge.merge_fragment(anchored, weights, is_embedding, robust=robust, trim_ratio=trim_ratio)
     stepped = OuterOptimizer(**outer_kwargs)
     stepped.load_state_dict(outer.state_dict())
     return stepped.step(params, delta), stepped

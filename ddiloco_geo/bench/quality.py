@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--steps", type=int, default=300, help="inner steps per learner (= dp steps)")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes read")
-    p.add_argument("--variants", default="k1_grace,k1,kM", help="comma list of k1_grace, k1, kM")
+    p.add_argument("--variants", default="k1_grace,k1,kM",
+                   help="comma list of k1_grace, k1, kM, k1_grace_trimmed, k1_grace_median (robust merge modes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], dest="overrides", help="extra settings KEY=VALUE")
 
@@ -109,6 +110,8 @@ VARIANTS = {
     "k1_grace": lambda m: {"syncer.quorum": 1, "syncer.grace_gamma": 0.5},
     "k1": lambda m: {"syncer.quorum": 1, "syncer.grace_gamma": 0.0},
     "kM": lambda m: {"syncer.quorum": m, "syncer.grace_gamma": 0.0},
+    "k1_grace_trimmed": lambda m: {"syncer.quorum": 1, "syncer.grace_gamma": 0.5, "syncer.robust": "trimmed_mean"},
+    "k1_grace_median": lambda m: {"syncer.quorum": 1, "syncer.grace_gamma": 0.5, "syncer.robust": "median"},
 }
 
 

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddiloco_geo import merge
 from ddiloco_geo.merge import merge_fragment, rda, token_weight, weighted_mean
 
 
@@ -119,3 +120,18 @@ def test_rda_norm_bounded_by_max_and_radius_matches(weights, seed):
     expected_radius = sum(w * float(v.norm()) for w, v in zip(weights, vs)) / sum(weights)
     assert torch.isfinite(out).all()
     assert float(out.norm()) == pytest.approx(expected_radius, rel=1e-5)
+
+
+def test_robust_modes_ignore_one_poisoned_learner():
+    honest = [torch.full((6,), 1.0) + 0.01 * i for i in range(4)]
+    poisoned = honest + [torch.full((6,), 1e6)]
+    assert merge.robust_mean(poisoned, "median").max() < 1.1
+    assert merge.robust_mean(poisoned, "trimmed_mean", 0.25).max() < 1.1
+    assert merge.weighted_mean(poisoned, [1.0] * 5).max() > 1e5  # what the robust modes prevent
+    merged = merge.merge_fragment([{"w": v} for v in poisoned], [1.0] * 5, lambda n: False, robust="median")
+    assert merged["w"].max() < 1.1
+    # too few contributors to trim: the median
+    two = [torch.zeros(3), torch.ones(3)]
+    assert torch.equal(merge.robust_mean(two, "trimmed_mean", 0.49), merge.robust_mean(two, "median"))
+    with pytest.raises(ValueError):
+        merge.robust_mean(two, "mode")
