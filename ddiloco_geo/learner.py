@@ -44,6 +44,7 @@ from ddiloco_geo import codec, keys, run as runmod
 from ddiloco_geo.clocks import VectorClock
 from ddiloco_geo.errors import CodecError, ConfigError, DdilocoError, NotFoundError, StorageError
 from ddiloco_geo.fragments import Schedule
+from ddiloco_geo.signing import sign_record
 from ddiloco_geo.metrics import LearnerMetrics, Registry, export_store_stats, learner_metrics
 from ddiloco_geo.storage import Store
 
@@ -580,6 +581,7 @@ class Learner:
         self._last_hb = 0.0
         self._hb_token: str | None = None
         self._hb_stop = threading.Event()
+        self.train_s: float | None = None  # set when the learner stops stepping
         if self.rank == 0 and not self.inline_io:
             threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
 
@@ -642,24 +644,30 @@ class Learner:
                 "stop_reason": self.stop_reason}
 
     def finish(self) -> dict[str, Any]:
-        """Flush a delta for every fragment with unsent work, checkpoint, drain the uploader,
-        deregister; all within ``flush_deadline_s``."""
+        """Flush a delta for every fragment with unsent work, drain the uploader, then checkpoint
+        and deregister, within ``flush_deadline_s``. Deltas go first: they carry the work into the
+        model; a checkpoint that cannot finish in time is simply not created (objects are
+        create-only), and a restart then starts from the latest globals."""
         cursors = self._gather_cursors() if self.settings.agent.checkpoint else []
         if self.rank != 0:
             return {}
+        self.train_s = time.monotonic() - self.started  # throughput excludes the exit path
         t0 = time.monotonic()
         for p in range(len(self.c_steps)) if self.cfg.sync_enabled else ():
             if self.step > self.last_sent_step[p]:
                 self.send(p, 0.0)
+        flushed = self.uploader.close(self.cfg.flush_deadline_s)
         checkpoint = None
         if self.settings.agent.checkpoint:
             try:
                 checkpoint = self.write_checkpoint(cursors)
             except StorageError as exc:
                 log.warning("checkpoint_failed error=%s", exc)
-        flushed = self.uploader.close(max(0.0, self.cfg.flush_deadline_s - (time.monotonic() - t0)))
+            if time.monotonic() - t0 > self.cfg.flush_deadline_s:
+                log.warning("checkpoint_late learner=%s exit_s=%.1f deadline_s=%.1f: a slow link; consider "
+                            "a longer flush deadline or agent.checkpoint=false", self.learner_id,
+                            time.monotonic() - t0, self.cfg.flush_deadline_s)
         self._hb_stop.set()
-        self.poller.stop()
         summary = self._status(None)
         summary.update({"reason": self.stop_reason, "flushed": flushed, "flush_s": time.monotonic() - t0,
                         "checkpoint": checkpoint, "resumed_from": self.resumed_from, "history": self.history})
@@ -669,7 +677,8 @@ class Learner:
                 _, token = self.store.read_token(keys.exit_key(self.learner_id))
             except NotFoundError:
                 pass
-            self.store.cas(keys.exit_key(self.learner_id), json.dumps(summary, default=str).encode(), token)
+            self.store.cas(keys.exit_key(self.learner_id),
+                           json.dumps(sign_record(summary, self.signer), default=str).encode(), token)
             self._heartbeat(None, state="exited")
         except StorageError as exc:
             log.warning("exit_record_failed error=%s", exc)
@@ -679,7 +688,7 @@ class Learner:
         return summary
 
     def _status(self, step_s: float | None, state: str = "running") -> dict:
-        elapsed = max(1e-9, time.monotonic() - self.started)
+        elapsed = max(1e-9, self.train_s if self.train_s is not None else time.monotonic() - self.started)
         return {
             "learner": self.learner_id, "region": self.cfg.region, "state": state, "step": self.step,
             "tokens": self.tokens_total, "tokens_per_s": self.tokens_total / elapsed, "loss": self.loss_ema,
@@ -691,7 +700,7 @@ class Learner:
 
     def _heartbeat(self, step_s: float | None, state: str = "running") -> None:
         export_store_stats(self.registry, "learner", self.store.stats.snapshot())
-        body = json.dumps(self._status(step_s, state), default=str).encode()
+        body = json.dumps(sign_record(self._status(step_s, state), self.signer), default=str).encode()
         key = keys.heartbeat_key(self.learner_id)
         try:
             self._hb_token = self.store.cas(key, body, self._hb_token)

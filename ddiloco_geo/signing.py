@@ -208,3 +208,30 @@ def static_verifier(keys: Mapping[str, bytes]) -> Verifier:
     """A verifier over an explicit {key_id: key} table (tests, or keys provisioned one by one)."""
     table = {k: bytes(v) for k, v in keys.items()}
     return Verifier(table.get)
+
+
+# --- JSON records (heartbeats, exit records) ------------------------------------------------------
+
+_RECORD_CONTEXT = b"ddiloco-record-v1\x00"
+
+
+def _record_message(record: Mapping) -> bytes:
+    body = {k: v for k, v in record.items() if k != "signature"}
+    return _RECORD_CONTEXT + json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def sign_record(record: dict, signer: Signer | None) -> dict:
+    """A JSON record with ``signer`` and ``signature`` fields added (unchanged without a signer)."""
+    if signer is None:
+        return record
+    signed = {**record, "signer": signer.key_id}
+    signed["signature"] = signer.sign(_record_message(signed))
+    return signed
+
+
+def verify_record(record: Mapping, verifier: Verifier, expected_signer: str) -> bool:
+    """True only if the record is signed by ``expected_signer`` and the signature verifies."""
+    kid, sig = record.get("signer"), record.get("signature")
+    if kid != expected_signer or not isinstance(sig, str):
+        return False
+    return verifier.verify(kid, _record_message(record), sig)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ddiloco_geo import keys, run as runmod
 from ddiloco_geo.errors import NotFoundError, StorageError
+from ddiloco_geo.signing import verify_record
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,9 @@ def _json_or_none(store: Store, key: str) -> dict[str, Any] | None:
         return None
 
 
-def collect(store: Store, egress_usd_per_gb: float = 0.02) -> dict[str, Any]:
+def collect(store: Store, egress_usd_per_gb: float = 0.02, verifier=None) -> dict[str, Any]:
+    """Everything the bucket says about the run; with ``verifier`` (the run secret is configured),
+    each learner's heartbeat is checked against its signature (``signed``: true/false/null)."""
     now = time.time()
     learners = []
     quarantined = {k.rsplit("/", 1)[-1][: -len(".json")] for k in store.list(keys.SYNCER + "quarantine/")}
@@ -47,6 +50,7 @@ def collect(store: Store, egress_usd_per_gb: float = 0.02) -> dict[str, Any]:
             "step": hb.get("step"), "tokens": hb.get("tokens"), "tokens_per_s": hb.get("tokens_per_s"),
             "loss": hb.get("loss"), "deltas_sent": (hb.get("uploads") or {}).get("deltas_sent"),
             "upload_queue": hb.get("upload_queue"), "quarantined": name in quarantined,
+            "signed": None if verifier is None or not hb else verify_record(hb, verifier, f"learner:{name}"),
             "bytes_up": int(((ex or hb).get("storage") or {}).get("bytes_up", 0)),
             "bytes_down": int(((ex or hb).get("storage") or {}).get("bytes_down", 0)),
             "rejected": len(store.list(f"{keys.SYNCER}rejected/{name}/")),
@@ -149,15 +153,20 @@ def run(args: argparse.Namespace) -> int:
 
     settings, _ = settings_from(args, {"storage.url": args.url})
     store = open_store(settings.storage)
+    verifier = None
+    if settings.security.run_secret is not None:
+        from ddiloco_geo.signing import run_verifier
+
+        verifier = run_verifier(settings.security.run_secret.get_secret_value())
     try:
         if args.json:
-            print(json.dumps(collect(store, args.egress_usd_per_gb), indent=1, default=str))
+            print(json.dumps(collect(store, args.egress_usd_per_gb, verifier), indent=1, default=str))
             return 0
         from rich.console import Console
 
         console = Console()
         if not args.watch:
-            console.print(render(collect(store, args.egress_usd_per_gb)))
+            console.print(render(collect(store, args.egress_usd_per_gb, verifier)))
             return 0
         with LiveView(store, live=True) as view:
             while True:

@@ -78,11 +78,13 @@ def test_local_directory_default_and_status_with_signed_objects(tmp_path):
     assert codec.read_header(st.get(delta)).signer == "learner:learner-0"
     assert codec.read_header(st.get(keymod.global_key(0, 1))).signer == "syncer"
     assert (tmp_path / "ddiloco-run" / "run.json").exists()  # the embedded default store
-    status = ddiloco("status", "file://./ddiloco-run", "--json", cwd=tmp_path, timeout=120)
+    status = ddiloco("status", "file://./ddiloco-run", "--json", cwd=tmp_path, timeout=120,
+                     env={"DDILOCO_SECURITY__RUN_SECRET": secret})
     assert status.returncode == 0, status.stderr
     snap = json.loads(status.stdout)
     assert {l["learner"] for l in snap["learners"]} == {"learner-0", "learner-1"}
     assert all(l["state"] == "exited" for l in snap["learners"])
+    assert all(l["signed"] is True for l in snap["learners"])  # heartbeats verify against their learner
     assert snap["syncers"][0]["counters"]["deltas_merged"] > 0
     assert snap["totals"]["tokens"] == summary["tokens_total"]
     assert snap["totals"]["learner_bytes"] > 0 and snap["totals"]["estimated_egress_usd"] > 0
