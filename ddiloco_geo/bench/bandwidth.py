@@ -34,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco_geo.bench.quality import _settings
     from ddiloco_geo.harness import InProcessRun, LearnerSpeed
 
-    settings = _settings(args)
+    # the exit checkpoint (parameters + AdamW moments) is a one-off, not traffic per token: off here,
+    # its size is reported apart
+    settings = _settings(args, **{"agent.checkpoint": False})
     M = args.learners
     print(f"bench bandwidth: {M} learners x {args.steps} steps, model {args.model}", file=sys.stderr)
     speeds = [LearnerSpeed(1.0 if i % 2 == 0 else 1.18, 0.10) for i in range(M)]
@@ -75,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         "goal_ratio": 150,
         "mean_contributors_per_merge": c["contributors_total"] / max(1, c["merges"]),
         "join_bytes_per_learner": per_learner[0]["join_bytes_down"],
+        "checkpoint_bytes_per_learner": 3 * 4 * num_params,
         "per_learner": per_learner,
     }
     if args.json:

@@ -10,7 +10,8 @@ process running throughout, one learner at a time:
    (``ddiloco-geo wan-proxy``; default 100 ms round trip, 20 Mbit/s, as between continents);
 4. ``off`` again, so the baseline brackets the measured runs (machine noise shows as the spread).
 
-Throughput is the learner's own tokens/s after it joined (its ``exit.json``). The figures of merit
+Throughput is the learner's own tokens/s from joining until it stopped stepping (its
+``exit.json``; the exit path, i.e. the final flush and the checkpoint, is reported as ``flush_s``). The figures of merit
 are ``loopback.ratio`` and ``wan.ratio`` = tokens/s with syncing / mean tokens/s without (goal
 ≥ 0.95). On a 2-core machine the syncer and the S3 server share the cores with the learner, in
 every phase alike.
