@@ -36,7 +36,6 @@ import argparse
 import json
 import logging
 import os
-import secrets
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -48,6 +47,7 @@ from ddiloco_geo import codec, keys, run as runmod
 from ddiloco_geo.clocks import VectorClock
 from ddiloco_geo.errors import CodecError, DdilocoError, NotFoundError
 from ddiloco_geo.storage import Store
+from ddiloco_geo.syncer import commit_version
 
 log = logging.getLogger(__name__)
 
@@ -292,26 +292,16 @@ def rollback(store: Store, manifest: dict[str, Any], *, force: bool = False,
             # momentum and residual are the snapshot's; the high-water marks stay the current ones,
             # so no delta already accounted for is merged again and none is dropped
             consumed = cur_state.extra.get("consumed", {})
-            state_key = keys.syncer_state_key(p, version, secrets.token_hex(6))
-            state_header = codec.Header(kind="state", run_id=spec.run_id, fragment=p, version=version, clock=clock,
-                                        extra={"consumed": consumed, "global": keys.global_key(p, version),
-                                               "outer_num_steps": int(st_header.extra.get("outer_num_steps", 0)),
-                                               "rollback": {"snapshot": manifest["snapshot"], "from_version": v_snap}})
-            store.put_if_absent(state_key, codec.encode(st_tensors, state_header, codec="fp32"))
             record = {"kind": "rollback", "snapshot": manifest["snapshot"], "from_version": v_snap,
-                      "rolled_back_version": current, "merged": [], "superseded": [], "contributors": 0,
-                      "state_key": state_key, "published_at": time.time()}
-            header = codec.Header(kind="global", run_id=spec.run_id, fragment=p, version=version, clock=clock,
-                                  extra=record)
-            gkey = keys.global_key(p, version)
-            if not store.put_if_absent(gkey, codec.encode(params, header, codec="fp32")):
-                if runmod.read_header(store, gkey).extra.get("state_key") != state_key:
-                    store.delete(state_key)  # never referenced: a syncer published this version first
-                    log.warning("rollback_race_lost fragment=%d version=%d action=retry", p, version)
-                    continue
-            store.put_if_absent(keys.tape_key(p, version), json.dumps(
-                {"fragment": p, "version": version, "clock": _clock_json(clock), **record}, default=str).encode())
-            runmod.advance_index(store, {p: version})
+                      "rolled_back_version": current, "merged": [], "superseded": [], "contributors": 0}
+            state_key = commit_version(
+                store, run_id=spec.run_id, fragment=p, version=version, params=params, state_tensors=st_tensors,
+                state_extra={"consumed": consumed, "outer_num_steps": int(st_header.extra.get("outer_num_steps", 0)),
+                             "rollback": {"snapshot": manifest["snapshot"], "from_version": v_snap}},
+                record=record, clock=clock)
+            if state_key is None:  # a syncer published this version first
+                log.warning("rollback_race_lost fragment=%d version=%d action=retry", p, version)
+                continue
             published[p] = version
             log.info("rolled_back fragment=%d from=%d to_snapshot_version=%d as=%d", p, current, v_snap, version)
             break

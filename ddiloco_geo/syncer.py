@@ -519,37 +519,26 @@ class Syncer:
 
     def _publish(self, state: FragmentState, params: dict[str, torch.Tensor], outer: OuterOptimizer,
                  record: dict[str, Any], consumed: dict[str, int], clock: VectorClock) -> bool:
-        """Commit a new version: state, then the global (the commit point), then tape and index."""
+        """Commit a new version (``commit_version``) and move this fragment's in-memory state to it."""
         p, version = state.fragment, state.version + 1
         clock = clock.tick(SYNCER_ACTOR)
         update, residual = None, state.residual
         if record.get("kind") == "merge" and self.update_codec != "none":
             update, params, residual = self._compress_update(state, params, version, clock)
-        token = secrets.token_hex(6)
-        state_key = keys.syncer_state_key(p, version, token)
         tensors, outer_steps = _outer_state_to_wire(outer)
         tensors.update({RESIDUAL + n: t for n, t in residual.items()})
-        state_header = codec.Header(kind="state", run_id=self.spec.run_id, fragment=p, version=version, clock=clock,
-                                    extra={"consumed": consumed, "global": keys.global_key(p, version),
-                                           "outer_num_steps": outer_steps})
-        self.store.put_if_absent(state_key, codec.encode(tensors, state_header, codec="fp32", signer=self.signer))
-        record = {**record, "state_key": state_key, "published_at": time.time()}
-        header = codec.Header(kind="global", run_id=self.spec.run_id, fragment=p, version=version, clock=clock,
-                              extra=record)
-        gkey = keys.global_key(p, version)
-        created = self.store.put_if_absent(gkey, codec.encode(params, header, codec="fp32", signer=self.signer))
-        if not created:
-            winner = runmod.read_header(self.store, gkey)
-            if winner.extra.get("state_key") != state_key:
-                self.counters["publish_races_lost"] += 1
-                log.warning("publish_race_lost fragment=%d version=%d action=adopt_winner", p, version)
-                self.store.delete(state_key)
-                self._adopt_published(p, version)
-                return False
-        if update is not None:
-            self.store.put_if_absent(keys.global_update_key(p, version), update)
-        self.store.put_if_absent(keys.tape_key(p, version), json.dumps(
-            {"fragment": p, "version": version, "clock": json.loads(clock.to_json()), **record}, default=str).encode())
+        state_key = commit_version(
+            self.store, run_id=self.spec.run_id, fragment=p, version=version, params=params,
+            state_tensors=tensors, state_extra={"consumed": consumed, "outer_num_steps": outer_steps},
+            record=record, clock=clock, signer=self.signer,
+            after_commit={keys.global_update_key(p, version): update} if update is not None else None,
+            advance_index=record.get("kind") == "merge",
+        )
+        if state_key is None:
+            self.counters["publish_races_lost"] += 1
+            log.warning("publish_race_lost fragment=%d version=%d action=adopt_winner", p, version)
+            self._adopt_published(p, version)
+            return False
         state.history[version] = params
         while len(state.history) > HISTORY_VERSIONS:
             state.history.popitem(last=False)
@@ -562,7 +551,6 @@ class Syncer:
         state.round_open_s = min((d.arrived_s for d in state.pending), default=None)
         self.counters["versions_published"] += 1
         if record.get("kind") == "merge":
-            runmod.advance_index(self.store, {p: version})
             log.info("published fragment=%d version=%d contributors=%d weights=%s grace_s=%.3f",
                      p, version, record["contributors"], [round(e["weight"]) for e in record["merged"]],
                      record["grace_s"])
@@ -688,6 +676,38 @@ def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
     header.extra = {**header.extra, "global_checksum": codec.checksum_of(published)}
     return (codec.encode(change, header, codec=codec_name, block_size=block_size, signer=signer),
             published, new_residual)
+
+
+def commit_version(store: Store, *, run_id: str, fragment: int, version: int, params: dict[str, torch.Tensor],
+                   state_tensors: dict[str, torch.Tensor], state_extra: dict[str, Any], record: dict[str, Any],
+                   clock: VectorClock, signer: Any = None, after_commit: dict[str, bytes] | None = None,
+                   advance_index: bool = True) -> str | None:
+    """The publish protocol, shared by the syncer and ``restore --rollback``.
+
+    Writes the state object (create-only, a random token in its key), then the global (create-only:
+    the commit point, its header naming the state key), then ``after_commit`` objects (the update),
+    the tape entry and, if asked, the index. Returns the state key, or None when another writer
+    committed this version first (our state object, never referenced, is deleted).
+    """
+    state_key = keys.syncer_state_key(fragment, version, secrets.token_hex(6))
+    gkey = keys.global_key(fragment, version)
+    state_header = codec.Header(kind="state", run_id=run_id, fragment=fragment, version=version, clock=clock,
+                                extra={**state_extra, "global": gkey})
+    store.put_if_absent(state_key, codec.encode(state_tensors, state_header, codec="fp32", signer=signer))
+    record = {**record, "state_key": state_key, "published_at": time.time()}
+    header = codec.Header(kind="global", run_id=run_id, fragment=fragment, version=version, clock=clock, extra=record)
+    if not store.put_if_absent(gkey, codec.encode(params, header, codec="fp32", signer=signer)):
+        if runmod.read_header(store, gkey).extra.get("state_key") != state_key:
+            store.delete(state_key)
+            return None
+    for key, data in (after_commit or {}).items():
+        store.put_if_absent(key, data)
+    store.put_if_absent(keys.tape_key(fragment, version), json.dumps(
+        {"fragment": fragment, "version": version, "clock": json.loads(clock.to_json()), **record},
+        default=str).encode())
+    if advance_index:
+        runmod.advance_index(store, {fragment: version})
+    return state_key
 
 
 def _outer_state_to_wire(outer: OuterOptimizer) -> tuple[dict[str, torch.Tensor], int]:
