@@ -1,3 +1,3 @@
-from ddiloco_geo.cli import main
+from ddiloco_geo.cli.main import main
 
 raise SystemExit(main())

@@ -9,7 +9,7 @@ Real servers on 127.0.0.1, started once per session and stopped by handle or PID
 
 ``make_store(backend)`` opens a :class:`~ddiloco_geo.storage.Store` on a fresh bucket (or
 directory, or memory root) for one of :data:`BACKENDS`; ``make_storage_config(backend)`` gives the
-matching :class:`~ddiloco_geo.config.StorageConfig`, and :func:`cli_args_for` turns one into
+matching :class:`~ddiloco_geo.core.config.StorageConfig`, and :func:`cli_args_for` turns one into
 ``--store``/``--set`` flags for subprocesses. Dummy AWS credentials are set for the whole session.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco_geo.config import StorageConfig
+from ddiloco_geo.core.config import StorageConfig
 
 REPO = Path(__file__).resolve().parent.parent
 BACKENDS = ("local", "memory", "moto", "localstack", "gcs")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from tests.agent.fake_metadata import FakeMetadata
 
-from ddiloco_geo.agent import Notice, PreemptionWatcher
-from ddiloco_geo.errors import ConfigError
+from ddiloco_geo.learner.preemption import Notice, PreemptionWatcher
+from ddiloco_geo.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SPOT_PATH = "GET /latest/meta-data/spot/instance-action"
@@ -145,7 +145,7 @@ def test_aws_token_is_refreshed_before_it_expires(fake_aws: FakeMetadata) -> Non
 
 
 def test_aws_token_never_appears_in_logs(fake_aws: FakeMetadata, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="ddiloco_geo.agent")
+    caplog.set_level(logging.DEBUG, logger="ddiloco_geo.learner.preemption")
     inbox = Inbox()
     with watcher(fake_aws.url, inbox) as w:
         wait_until(lambda: fake_aws.counts[SPOT_PATH] >= 2)
@@ -232,7 +232,7 @@ def test_auto_detection_picks_the_cloud_that_answers(cloud: str) -> None:
 
 @pytest.mark.parametrize("where", ["nothing_listening", "not_a_metadata_server"])
 def test_auto_detection_falls_back_to_signals_only(where: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="ddiloco_geo.agent")
+    caplog.set_level(logging.INFO, logger="ddiloco_geo.learner.preemption")
     with FakeMetadata(cloud="none") as fake:
         url = closed_port_url() if where == "nothing_listening" else fake.url
         w = watcher(url, Inbox(), provider="auto").start()
@@ -302,7 +302,7 @@ def test_sigterm_in_a_subprocess_is_delivered_through_install_signal_handlers() 
     child = textwrap.dedent(
         """
         import sys, time
-        from ddiloco_geo.agent import PreemptionWatcher
+        from ddiloco_geo.learner.preemption import PreemptionWatcher
         notices = []
         w = PreemptionWatcher(provider="none", on_notice=notices.append)
         w.install_signal_handlers()
@@ -331,7 +331,7 @@ def test_sigterm_in_a_subprocess_is_delivered_through_install_signal_handlers() 
 
 
 def test_signal_after_a_notice_is_logged_not_redelivered(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="ddiloco_geo.agent")
+    caplog.set_level(logging.INFO, logger="ddiloco_geo.learner.preemption")
     inbox = Inbox()
     w = PreemptionWatcher(provider="none", on_notice=inbox)
     w.install_signal_handlers()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ddiloco_geo.chaos import (
+from ddiloco_geo.tools.chaos import (
     compute_downtime, compute_goodput, find_stalls, first_merge_after, goals, measure, plan_schedule, subtract, union,
 )
 from tests.conftest import cli_args_for
@@ -51,7 +51,7 @@ def test_plan_only_prints_the_same_schedule():
 
 
 def test_too_few_learners_is_a_config_error():
-    from ddiloco_geo.errors import ConfigError
+    from ddiloco_geo.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="at least 3 learners"):
         plan_schedule(0, learners=2)

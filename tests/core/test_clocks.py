@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco_geo.clocks import FakeClock, MonotonicClock, Order, VectorClock
-from ddiloco_geo.errors import CodecError
+from ddiloco_geo.core.clocks import FakeClock, MonotonicClock, Order, VectorClock
+from ddiloco_geo.core.errors import CodecError
 
 ACTORS = ["a", "b", "c", "l-1", "syncer"]
 clocks = st.dictionaries(st.sampled_from(ACTORS), st.integers(0, 5)).map(VectorClock)

@@ -11,8 +11,8 @@ import safetensors.torch
 import torch
 
 from ddiloco_geo import codec
-from ddiloco_geo.bench.codec import fragment
-from ddiloco_geo.clocks import VectorClock
+from ddiloco_geo.tools.bench.codec import fragment
+from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.codec import CodecError, Header
 
 SHAPES = [(), (1,), (5,), (127,), (128,), (129,), (300, 7), (2, 3, 64), (0,), (4, 0)]
@@ -405,7 +405,7 @@ def test_encoding_on_the_device_matches_the_cpu():
 
 
 def test_codec_benchmark_smoke():
-    from ddiloco_geo.bench.codec import measure
+    from ddiloco_geo.tools.bench.codec import measure
 
     rows = measure(fragment(0.25), ["fp32", "int4"], repeats=1, block_size=128)
     assert [r["codec"] for r in rows] == ["fp32", "int4"]

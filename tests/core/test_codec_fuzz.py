@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddiloco_geo import codec
-from ddiloco_geo.clocks import VectorClock
+from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.codec import CodecError, Header
 
 fuzz = settings(max_examples=250, derandomize=True, deadline=None,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ddiloco_geo import config
-from ddiloco_geo.errors import ConfigError
+from ddiloco_geo.core import config
+from ddiloco_geo.core.errors import ConfigError
 
 
 def write_toml(tmp_path, text):

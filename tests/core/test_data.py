@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from ddiloco_geo.config import ModelConfig
-from ddiloco_geo.data import ShardReader, eval_batches, evaluate, load_corpus, shard_bounds, split
-from ddiloco_geo.errors import ConfigError
-from ddiloco_geo.model import build_model
+from ddiloco_geo.core.config import ModelConfig
+from ddiloco_geo.core.data import ShardReader, eval_batches, evaluate, load_corpus, shard_bounds, split
+from ddiloco_geo.core.errors import ConfigError
+from ddiloco_geo.core.model import build_model
 
 
 @pytest.fixture(scope="module")

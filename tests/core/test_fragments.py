@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco_geo.errors import CodecError
-from ddiloco_geo.fragments import FragmentPlan, Schedule, plan_fragments
+from ddiloco_geo.core.errors import CodecError
+from ddiloco_geo.core.fragments import FragmentPlan, Schedule, plan_fragments
 
 
 def gpt_shapes(layers: int = 4, d: int = 64, vocab: int = 512) -> dict[str, tuple[int, ...]]:
@@ -77,7 +77,7 @@ def test_plan_does_not_depend_on_dict_order():
 def test_plan_is_identical_across_processes_with_different_hash_seeds():
     code = (
         "import sys; sys.path.insert(0, %r); from test_fragments import gpt_shapes; "
-        "from ddiloco_geo.fragments import plan_fragments; "
+        "from ddiloco_geo.core.fragments import plan_fragments; "
         "print(plan_fragments(gpt_shapes(), 7).digest())"
     ) % os.path.dirname(__file__)
     digests = set()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ddiloco_geo import keys
-from ddiloco_geo.errors import LayoutError
+from ddiloco_geo.core import layout
+from ddiloco_geo.core.errors import LayoutError
 
 SNAPSHOT = {
     "run_spec": "run.json",
@@ -24,45 +24,45 @@ SNAPSHOT = {
 
 
 def test_layout_snapshot():
-    assert keys.LAYOUT_VERSION == 1
+    assert layout.LAYOUT_VERSION == 1
     got = {
-        "run_spec": keys.RUN_SPEC,
-        "global": keys.global_key(7, 12),
-        "index": keys.globals_index_key(),
-        "delta": keys.delta_key("eu-west-1-a", 42, 7),
-        "heartbeat": keys.heartbeat_key("eu-west-1-a"),
-        "exit": keys.exit_key("eu-west-1-a"),
-        "checkpoint": keys.checkpoint_key("eu-west-1-a", 3),
-        "state": keys.syncer_state_key(7, 12, "ab12cd"),
-        "lease": keys.lease_key(0, 1),
-        "tape": keys.tape_key(7, 12),
-        "rejected": keys.rejected_key("eu-west-1-a", 42, 7),
-        "status": keys.syncer_status_key(1, 4),
-        "quarantine": keys.quarantine_key("eu-west-1-a"),
-        "snapshot": keys.snapshot_manifest_key("snap-1"),
+        "run_spec": layout.RUN_SPEC,
+        "global": layout.global_key(7, 12),
+        "index": layout.globals_index_key(),
+        "delta": layout.delta_key("eu-west-1-a", 42, 7),
+        "heartbeat": layout.heartbeat_key("eu-west-1-a"),
+        "exit": layout.exit_key("eu-west-1-a"),
+        "checkpoint": layout.checkpoint_key("eu-west-1-a", 3),
+        "state": layout.syncer_state_key(7, 12, "ab12cd"),
+        "lease": layout.lease_key(0, 1),
+        "tape": layout.tape_key(7, 12),
+        "rejected": layout.rejected_key("eu-west-1-a", 42, 7),
+        "status": layout.syncer_status_key(1, 4),
+        "quarantine": layout.quarantine_key("eu-west-1-a"),
+        "snapshot": layout.snapshot_manifest_key("snap-1"),
     }
     assert got == SNAPSHOT
 
 
 def test_listing_order_is_numeric_order():
     versions = [0, 1, 9, 10, 99, 100, 12345]
-    ks = [keys.global_key(3, v) for v in versions]
+    ks = [layout.global_key(3, v) for v in versions]
     assert sorted(ks) == ks
-    seqs = [keys.delta_key("a", s, f) for s in (1, 2, 10, 11, 100) for f in (0, 5, 23)]
+    seqs = [layout.delta_key("a", s, f) for s in (1, 2, 10, 11, 100) for f in (0, 5, 23)]
     assert sorted(seqs) == seqs
 
 
 def test_parse_round_trips():
-    assert keys.parse_global_key(keys.global_key(5, 77)) == (5, 77)
-    dk = keys.parse_delta_key(keys.delta_key("learner-1", 9, 23))
+    assert layout.parse_global_key(layout.global_key(5, 77)) == (5, 77)
+    dk = layout.parse_delta_key(layout.delta_key("learner-1", 9, 23))
     assert (dk.learner, dk.seq, dk.fragment) == ("learner-1", 9, 23)
-    assert keys.parse_learner(keys.heartbeat_key("abc")) == "abc"
+    assert layout.parse_learner(layout.heartbeat_key("abc")) == "abc"
 
 
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", "A", "a.b", "-x", "x" * 64, "a b"])
 def test_ids_that_could_escape_a_prefix_are_refused(bad):
     with pytest.raises(LayoutError):
-        keys.delta_key(bad, 1, 0)
+        layout.delta_key(bad, 1, 0)
 
 
 @pytest.mark.parametrize("bad", [
@@ -74,22 +74,22 @@ def test_ids_that_could_escape_a_prefix_are_refused(bad):
 def test_foreign_keys_do_not_parse(bad):
     with pytest.raises(LayoutError):
         try:
-            keys.parse_delta_key(bad)
+            layout.parse_delta_key(bad)
         except LayoutError:
-            keys.parse_global_key(bad)
+            layout.parse_global_key(bad)
 
 
 def test_numbers_out_of_range_are_refused():
     with pytest.raises(LayoutError):
-        keys.global_key(1000, 0)
+        layout.global_key(1000, 0)
     with pytest.raises(LayoutError):
-        keys.global_key(0, -1)
+        layout.global_key(0, -1)
 
 
 def test_role_prefixes_split_writes():
-    learner = keys.role_prefixes("learner", "l1")
-    syncer = keys.role_prefixes("syncer")
+    learner = layout.role_prefixes("learner", "l1")
+    syncer = layout.role_prefixes("syncer")
     assert learner["write"] == ["learners/l1/"]
     assert "globals/" in syncer["write"] and not any(p.startswith("learners/") for p in syncer["write"])
     with pytest.raises(LayoutError):
-        keys.role_prefixes("admin")
+        layout.role_prefixes("admin")

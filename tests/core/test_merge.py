@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco_geo import merge
-from ddiloco_geo.merge import merge_fragment, rda, token_weight, weighted_mean
+from ddiloco_geo.core import merge
+from ddiloco_geo.core.merge import merge_fragment, rda, token_weight, weighted_mean
 
 
 def _orthogonal(m, dim, radius, seed=0):

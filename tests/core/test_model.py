@@ -6,10 +6,10 @@ import textwrap
 import pytest
 import torch
 
-from ddiloco_geo.config import ModelConfig
-from ddiloco_geo.data import load_corpus
-from ddiloco_geo.errors import ConfigError
-from ddiloco_geo.model import (
+from ddiloco_geo.core.config import ModelConfig
+from ddiloco_geo.core.data import load_corpus
+from ddiloco_geo.core.errors import ConfigError
+from ddiloco_geo.core.model import (
     GPT,
     NOMINAL_PARAMS,
     SIZES,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddiloco_geo.outer import OuterOptimizer
+from ddiloco_geo.core.outer import OuterOptimizer
 
 SHAPES = {"a.weight": (5, 3), "a.bias": (5,), "b": (7,)}
 

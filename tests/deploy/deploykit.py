@@ -178,11 +178,11 @@ def granted_prefixes(policy: dict | str, bucket: str, run: str) -> dict[str, set
 
 
 def expected_grants(role_key: str) -> dict[str, set[str]]:
-    """What keys.role_prefixes() says a role key ('syncer' or 'learner-<fleet>') may do."""
-    from ddiloco_geo import keys
+    """What layout.role_prefixes() says a role key ('syncer' or 'learner-<fleet>') may do."""
+    from ddiloco_geo.core import layout
 
     if role_key == "syncer":
-        spec = keys.role_prefixes("syncer")
+        spec = layout.role_prefixes("syncer")
     else:
-        spec = keys.role_prefixes("learner", f"{role_key.removeprefix('learner-')}-*")
+        spec = layout.role_prefixes("learner", f"{role_key.removeprefix('learner-')}-*")
     return {"read": set(spec["read"]), "write": set(spec["write"]), "list": set(spec["read"])}

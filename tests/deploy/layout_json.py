@@ -1,4 +1,4 @@
-"""Generate the layout.json files that the Terraform IAM modules read, from keys.role_prefixes().
+"""Generate the layout.json files that the Terraform IAM modules read, from layout.role_prefixes().
 
     .venv/bin/python tests/deploy/layout_json.py           # check: exit 1 if a committed file differs
     .venv/bin/python tests/deploy/layout_json.py --write   # regenerate after a layout change
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddiloco_geo import keys
+from ddiloco_geo.core import layout
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = [
@@ -26,12 +26,12 @@ PLACEHOLDER = "{learner}"
 
 def render() -> str:
     doc = {
-        "generated_by": "tests/deploy/layout_json.py from ddiloco_geo.keys.role_prefixes()",
-        "layout_version": keys.LAYOUT_VERSION,
+        "generated_by": "tests/deploy/layout_json.py from ddiloco_geo.core.layout.role_prefixes()",
+        "layout_version": layout.LAYOUT_VERSION,
         "learner_placeholder": PLACEHOLDER,
         "roles": {
-            "learner": keys.role_prefixes("learner", PLACEHOLDER),
-            "syncer": keys.role_prefixes("syncer"),
+            "learner": layout.role_prefixes("learner", PLACEHOLDER),
+            "syncer": layout.role_prefixes("syncer"),
         },
     }
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"

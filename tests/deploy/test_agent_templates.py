@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddiloco_geo import config
+from ddiloco_geo.core import config
 
 from deploykit import DEPLOY_DIR, REPO, terraform_bin, tf_env  # noqa: F401 (fixtures)
 

@@ -1,4 +1,4 @@
-"""The IAM policies grant exactly what the bucket layout (ddiloco_geo.keys.role_prefixes) says.
+"""The IAM policies grant exactly what the bucket layout (ddiloco_geo.core.layout.role_prefixes) says.
 
 * layout.json, which the Terraform modules read, is regenerated from role_prefixes() and must equal
   the committed files (tests/deploy/layout_json.py --write updates them);
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from ddiloco_geo import keys
+from ddiloco_geo.core import layout
 
 import layout_json
 from deploykit import REPO, TERRAFORM_DIR, expected_grants, granted_prefixes, terraform_bin, tf, tf_env, tf_tree  # noqa: F401 (fixtures)
@@ -28,7 +28,7 @@ RUN = "run7"
 def test_committed_layout_json_matches_role_prefixes():
     stale = layout_json.stale_targets()
     assert not stale, (
-        f"{[str(p.relative_to(REPO)) for p in stale]} differ from keys.role_prefixes(); "
+        f"{[str(p.relative_to(REPO)) for p in stale]} differ from layout.role_prefixes(); "
         "run: python tests/deploy/layout_json.py --write (and review the IAM modules)"
     )
 
@@ -40,9 +40,9 @@ def test_layout_json_script_check_mode_exits_zero():
 
 def test_bucket_lifecycle_expires_the_layout_learner_prefix():
     text = (TERRAFORM_DIR / "aws/modules/run-bucket/variables.tf").read_text()
-    assert f'default     = "{keys.LEARNERS}"' in text
+    assert f'default     = "{layout.LEARNERS}"' in text
     text = (TERRAFORM_DIR / "gcp/modules/run-bucket/variables.tf").read_text()
-    assert f'default     = "{keys.LEARNERS}"' in text
+    assert f'default     = "{layout.LEARNERS}"' in text
 
 
 def test_granted_prefixes_rejects_a_grant_outside_the_layout():
@@ -76,7 +76,7 @@ def test_planned_policies_grant_exactly_the_layout_prefixes(terraform_bin, tf_en
     # No learner may write globals, syncer state, snapshots or the run spec.
     for f in FLEETS:
         for path in granted_prefixes(policies[f"learner-{f}"], BUCKET, RUN)["write"]:
-            assert path.startswith(keys.LEARNERS), path
+            assert path.startswith(layout.LEARNERS), path
 
 
 def test_fleet_ids_that_would_overlap_are_rejected(terraform_bin, tf_env, tf_tree, moto_endpoint):

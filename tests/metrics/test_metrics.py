@@ -12,8 +12,8 @@ import urllib.request
 
 import pytest
 
-from ddiloco_geo.config import MetricsConfig
-from ddiloco_geo.errors import ConfigError
+from ddiloco_geo.core.config import MetricsConfig
+from ddiloco_geo.core.errors import ConfigError
 from ddiloco_geo.metrics import (
     MetricsServer,
     Registry,

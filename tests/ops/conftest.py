@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco_geo import keys, run as runmod
+from ddiloco_geo.core import layout
+
+from ddiloco_geo import protocol
 from ddiloco_geo.storage import Store
 from tests.service.conftest import Run, tiny_run  # noqa: F401  (fixture re-export)
 
@@ -66,14 +68,14 @@ def copy_store(src: Store, dst: Store, replace: dict[str, bytes] | None = None) 
         data = replace.get(key)
         if data is None:
             data = src.get(key)
-        if key == keys.globals_index_key():
+        if key == layout.globals_index_key():
             dst.cas(key, data, None)
         else:
             assert dst.put_if_absent(key, data)
 
 
 def total_versions(store: Store, num_fragments: int) -> int:
-    return sum(len(runmod.list_versions(store, p)) for p in range(num_fragments))
+    return sum(len(protocol.list_versions(store, p)) for p in range(num_fragments))
 
 
 def cli(*argv: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

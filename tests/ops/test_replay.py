@@ -7,8 +7,16 @@ import uuid
 import pytest
 import torch
 
-from ddiloco_geo import codec, config, keys, merge, run as runmod
-from ddiloco_geo.replay import read_state, replay
+from ddiloco_geo import codec
+
+from ddiloco_geo.core import config
+
+from ddiloco_geo.core import layout
+
+from ddiloco_geo.core import merge
+
+from ddiloco_geo import protocol
+from ddiloco_geo.ops.replay import read_state, replay
 from ddiloco_geo.storage import open_store
 from tests.ops.conftest import cli_json, copy_store, merge_rounds, poll_and_merge, total_versions
 
@@ -21,7 +29,7 @@ def fresh_store():
 
 def reencode_global(store, spec, p, v, change):
     """The bytes of global p/v with ``change(tensors)`` applied (header kept, checksum valid)."""
-    header, tensors = runmod.read_global(store, spec, p, v)
+    header, tensors = protocol.read_global(store, spec, p, v)
     return codec.encode(change(tensors), header, codec="fp32")
 
 
@@ -37,10 +45,10 @@ def test_replay_reproduces_every_version_bit_for_bit(history):
     assert result["versions_checked"] == total_versions(run.store, run.spec.plan.num_fragments) == 4 * 6
     assert result["roots"] == {}
     # the history really has what the test claims: int4 updates, stale and superseded deltas
-    rec = runmod.read_header(run.store, keys.global_key(0, 4)).extra
+    rec = protocol.read_header(run.store, layout.global_key(0, 4)).extra
     assert sorted(rec["staleness"]) == [0, 0, 2]
-    assert runmod.read_header(run.store, keys.global_key(0, 2)).extra["superseded"]
-    upd = runmod.read_header(run.store, keys.global_update_key(3, 5))
+    assert protocol.read_header(run.store, layout.global_key(0, 2)).extra["superseded"]
+    upd = protocol.read_header(run.store, layout.global_update_key(3, 5))
     assert upd.codec == "int4"
 
 
@@ -62,7 +70,7 @@ def test_replay_reports_the_first_divergence_of_a_tampered_global(history):
         return {**tensors, name: t}
 
     tampered = fresh_store()
-    copy_store(run.store, tampered, replace={keys.global_key(p, v): reencode_global(run.store, run.spec, p, v, nudge)})
+    copy_store(run.store, tampered, replace={layout.global_key(p, v): reencode_global(run.store, run.spec, p, v, nudge)})
     result = replay(tampered, run.spec, outer_kwargs=OUTER)
     assert not result["ok"]
     d = result["first_divergence"]
@@ -76,7 +84,7 @@ def test_replay_reports_the_first_divergence_of_a_tampered_global(history):
 def test_replay_checks_the_outer_state_and_the_hyperparameters(history):
     run, _ = history(rounds=3)
     p, v = 1, 2
-    header, _ = runmod.read_global(run.store, run.spec, p, v)
+    header, _ = protocol.read_global(run.store, run.spec, p, v)
     state = read_state(run.store, run.spec, header.extra["state_key"])
     st_header, st_tensors = codec.decode(run.store.get(state.key), kind="state")
     mom = sorted(k for k in st_tensors if k.startswith("momentum."))[-1]
@@ -89,10 +97,10 @@ def test_replay_checks_the_outer_state_and_the_hyperparameters(history):
     # the merge record names the outer hyperparameters the syncer used; replay trusts the record
     # over its own settings, and a record that lies about them diverges
     assert replay(run.store, run.spec, outer_kwargs={**OUTER, "lr": 0.69})["ok"]
-    g_header, g_tensors = runmod.read_global(run.store, run.spec, 0, 1)
+    g_header, g_tensors = protocol.read_global(run.store, run.spec, 0, 1)
     g_header.extra = {**g_header.extra, "outer": {**g_header.extra["outer"], "lr": 0.69}}
     lying = fresh_store()
-    copy_store(run.store, lying, replace={keys.global_key(0, 1): codec.encode(g_tensors, g_header, codec="fp32")})
+    copy_store(run.store, lying, replace={layout.global_key(0, 1): codec.encode(g_tensors, g_header, codec="fp32")})
     d = replay(lying, run.spec, outer_kwargs=OUTER)["first_divergence"]
     assert (d["fragment"], d["version"], d["what"]) == (0, 1, "params")
 
@@ -100,10 +108,10 @@ def test_replay_checks_the_outer_state_and_the_hyperparameters(history):
 def test_replay_checks_recorded_weights_and_version_zero(history):
     run, _ = history(rounds=2)
     p = 0
-    header, tensors = runmod.read_global(run.store, run.spec, p, 1)
+    header, tensors = protocol.read_global(run.store, run.spec, p, 1)
     header.extra["merged"][0]["weight"] += 1.0
     tampered = fresh_store()
-    copy_store(run.store, tampered, replace={keys.global_key(p, 1): codec.encode(tensors, header, codec="fp32")})
+    copy_store(run.store, tampered, replace={layout.global_key(p, 1): codec.encode(tensors, header, codec="fp32")})
     d = replay(tampered, run.spec, outer_kwargs=OUTER)["first_divergence"]
     assert (d["fragment"], d["version"], d["what"]) == (p, 1, "weight")
 
@@ -114,7 +122,7 @@ def test_replay_checks_recorded_weights_and_version_zero(history):
 
 def test_replay_reports_an_unreadable_object(history):
     run, _ = history(rounds=2)
-    key = keys.global_key(3, 1)
+    key = layout.global_key(3, 1)
     data = bytearray(run.store.get(key))
     data[-5] ^= 0x10
     tampered = fresh_store()
@@ -173,7 +181,7 @@ def test_replay_cli_on_a_local_directory(history, tmp_path):
         assert result["first_divergence"]["max_abs_diff"] > 0
     # tamper in place (the local backend allows delete + create): fragment 1, version 2
     p, v = 1, 2
-    key = keys.global_key(p, v)
+    key = layout.global_key(p, v)
     data = reencode_global(run.store, run.spec, p, v, lambda t: {n: x * 0.5 for n, x in t.items()})
     run.store.delete(key)
     assert run.store.put_if_absent(key, data)
@@ -196,7 +204,7 @@ def test_replay_follows_on_after_more_merges(history):
 def test_replay_without_an_update_object_tries_the_configured_codec(history):
     """A syncer that crashed between the global and its update object leaves no codec on record."""
     run, _ = history(rounds=3)
-    missing = keys.global_update_key(1, 2)
+    missing = layout.global_update_key(1, 2)
     copy = fresh_store()
     copy_store(run.store, copy)
     copy.delete(missing)

@@ -13,9 +13,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ddiloco_geo import config, keys, model as modelmod, run as runmod
-from ddiloco_geo.replay import read_state, replay
-from ddiloco_geo.snapshot import (SnapshotError, active_syncers, export_model, load_manifest, restore_to, rollback,
+from ddiloco_geo.core import config
+
+from ddiloco_geo.core import layout
+
+from ddiloco_geo.core import model as modelmod
+
+from ddiloco_geo import protocol
+from ddiloco_geo.ops.replay import read_state, replay
+from ddiloco_geo.ops.snapshot import (SnapshotError, active_syncers, export_model, load_manifest, restore_to, rollback,
                                   take_snapshot)
 from ddiloco_geo.storage import open_store
 from tests.ops.conftest import all_objects, cli, cli_json, merge_rounds, poll_and_merge
@@ -27,10 +33,10 @@ OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 def accounted(store) -> set[str]:
     """Delta keys accounted for by a published merge record (merged or superseded) or a rejection."""
     out = set()
-    for r in runmod.merge_records(store):
+    for r in protocol.merge_records(store):
         out.update(e["key"] for e in r.get("merged", []))
         out.update(r.get("superseded", []))
-    for key in store.list(keys.SYNCER + "rejected/"):
+    for key in store.list(layout.SYNCER + "rejected/"):
         out.add(json.loads(store.get(key))["key"])
     return out
 
@@ -44,7 +50,7 @@ def check_consistent(store, spec, manifest) -> None:
         # every delta a version inside the cut merged was written inside the cut (exists) and is
         # not also listed as in flight
         for w in range(1, v + 1):
-            rec = runmod.read_header(store, keys.global_key(p, w)).extra
+            rec = protocol.read_header(store, layout.global_key(p, w)).extra
             for e in rec.get("merged", []):
                 assert store.get(e["key"], 0, 8) and e["key"] not in in_flight
         # no in-flight delta depends on a version after the cut
@@ -67,22 +73,22 @@ def test_manifest_lists_one_version_per_fragment_and_the_deltas_in_flight(histor
     assert m["plan_digest"] == run.spec.plan.digest()
     assert {p: f["version"] for p, f in m["fragments"].items()} == {"0": 4, "1": 3, "2": 3, "3": 3}
     for p, f in m["fragments"].items():
-        header = runmod.read_header(run.store, f["global"])
-        assert f["global"] == keys.global_key(int(p), f["version"])
+        header = protocol.read_header(run.store, f["global"])
+        assert f["global"] == layout.global_key(int(p), f["version"])
         assert f["clock"] == json.loads(header.clock.to_json())
         assert f["state_key"] == header.extra["state_key"]
-        assert f["consumed"] == runmod.read_header(run.store, f["state_key"]).extra["consumed"]
+        assert f["consumed"] == protocol.read_header(run.store, f["state_key"]).extra["consumed"]
     assert [d["key"] for d in m["in_flight"]] == sorted(flying)
     for d in m["in_flight"]:
-        header = runmod.read_header(run.store, d["key"])
+        header = protocol.read_header(run.store, d["key"])
         assert d["clock"] == json.loads(header.clock.to_json()) and d["clock"]
         assert d["base_version"] == header.base_version
     assert merged_earlier not in {d["key"] for d in m["in_flight"]}
     assert rejected not in {d["key"] for d in m["in_flight"]}
-    assert json.loads(run.store.get(keys.snapshot_manifest_key("snap-1"))) == m == load_manifest(run.store, "snap-1")
+    assert json.loads(run.store.get(layout.snapshot_manifest_key("snap-1"))) == m == load_manifest(run.store, "snap-1")
     check_consistent(run.store, run.spec, m)
     # the cut's frontier dominates every clock in it
-    from ddiloco_geo.clocks import VectorClock
+    from ddiloco_geo.core.clocks import VectorClock
     frontier = VectorClock(m["clock"])
     assert all(VectorClock(f["clock"]) <= frontier for f in m["fragments"].values())
     assert all(VectorClock(d["clock"]) <= frontier for d in m["in_flight"])
@@ -91,21 +97,21 @@ def test_manifest_lists_one_version_per_fragment_and_the_deltas_in_flight(histor
 def test_snapshots_are_create_only(history):
     run, _ = history(rounds=1)
     take_snapshot(run.store, run.spec, "same")
-    before = run.store.get(keys.snapshot_manifest_key("same"))
+    before = run.store.get(layout.snapshot_manifest_key("same"))
     with pytest.raises(SnapshotError, match="already exists"):
         take_snapshot(run.store, run.spec, "same")
-    assert run.store.get(keys.snapshot_manifest_key("same")) == before
-    with pytest.raises(keys.LayoutError):
+    assert run.store.get(layout.snapshot_manifest_key("same")) == before
+    with pytest.raises(layout.LayoutError):
         take_snapshot(run.store, run.spec, "Bad/Id")
     auto = take_snapshot(run.store, run.spec, now=1764438300.0)
-    assert auto["snapshot"] == "s20251129t174500z" and keys.ID_PATTERN.match(auto["snapshot"])
+    assert auto["snapshot"] == "s20251129t174500z" and layout.ID_PATTERN.match(auto["snapshot"])
 
 
 def test_snapshot_taken_between_the_reads_of_a_merging_syncer_is_consistent(history, monkeypatch):
     """The syncer publishes and a learner adopts and writes between the snapshot's delta listing and
     its globals listing: the cut must still be consistent (nothing depends on a later version)."""
     run, syncer = history(rounds=2)
-    import ddiloco_geo.snapshot as snapmod
+    import ddiloco_geo.ops.snapshot as snapmod
 
     real = snapmod.runmod.list_versions
     done = []
@@ -171,17 +177,17 @@ def test_restore_to_a_new_run_resumes_the_same_params_and_outer_state(history, t
     m = take_snapshot(run.store, run.spec, "base")
     merge_rounds(run, syncer, 1, start=3)  # the old run goes on; the snapshot does not move
     new = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.quorum": 2})
-    new.store.delete(keys.RUN_SPEC)  # an empty store (the fixture created run.json)
+    new.store.delete(layout.RUN_SPEC)  # an empty store (the fixture created run.json)
     versions = restore_to(run.store, m, new.store)
     assert versions == {p: 3 for p in range(run.spec.plan.num_fragments)}
-    assert runmod.read_index(new.store)[0] == versions
-    assert new.store.list(keys.LEARNERS) == []  # deltas are not copied
+    assert protocol.read_index(new.store)[0] == versions
+    assert new.store.list(layout.LEARNERS) == []  # deltas are not copied
     assert restore_to(run.store, m, new.store) == versions  # a rerun (e.g. after a crash) is idempotent
     resumed = new.syncer()
     for p, state in resumed.fragments.items():
         v = m["fragments"][str(p)]["version"]
         assert state.version == v
-        header, params = runmod.read_global(run.store, run.spec, p, v)
+        header, params = protocol.read_global(run.store, run.spec, p, v)
         assert all(torch.equal(state.params[n], params[n]) for n in params)
         old = read_state(run.store, run.spec, header.extra["state_key"])
         outer = state.outer.state_dict()
@@ -193,7 +199,7 @@ def test_restore_to_a_new_run_resumes_the_same_params_and_outer_state(history, t
     # the new run trains on (learners reusing ids restart their sequence at 0) and replays clean
     new.seq.clear()
     merge_rounds(new, resumed, 2)
-    assert runmod.read_index(new.store)[0] == {p: 5 for p in range(run.spec.plan.num_fragments)}
+    assert protocol.read_index(new.store)[0] == {p: 5 for p in range(run.spec.plan.num_fragments)}
     result = replay(new.store, new.spec, outer_kwargs=OUTER)
     assert result["ok"] and result["roots"] == {str(p): 3 for p in range(4)}
     assert result["versions_checked"] == 4 * 2
@@ -215,34 +221,34 @@ def test_rollback_publishes_new_versions_equal_to_the_snapshot_and_deletes_nothi
     result = rollback(run.store, m)
     assert result["published"] == {str(p): 5 for p in range(4)} and result["unchanged"] == []
     after = all_objects(run.store)
-    assert all(after[k] == data for k, data in before.items() if k != keys.globals_index_key())
-    assert runmod.read_index(run.store)[0] == {p: 5 for p in range(4)}
+    assert all(after[k] == data for k, data in before.items() if k != layout.globals_index_key())
+    assert protocol.read_index(run.store)[0] == {p: 5 for p in range(4)}
     for p in range(4):
-        header, params = runmod.read_global(run.store, run.spec, p, 5)
+        header, params = protocol.read_global(run.store, run.spec, p, 5)
         assert header.extra["kind"] == "rollback" and header.extra["snapshot"] == "good"
         assert header.extra["from_version"] == 2
-        snap_header, snap_params = runmod.read_global(run.store, run.spec, p, 2)
+        snap_header, snap_params = protocol.read_global(run.store, run.spec, p, 2)
         assert all(torch.equal(params[n], snap_params[n]) for n in params)
         st, snap_st = (read_state(run.store, run.spec, h.extra["state_key"]) for h in (header, snap_header))
         assert st.num_steps == snap_st.num_steps
         assert all(torch.equal(st.momentum[k], t) for k, t in snap_st.momentum.items())
         assert all(torch.equal(st.residual[k], t) for k, t in snap_st.residual.items())
-        cur = runmod.read_header(run.store, runmod.read_header(run.store, keys.global_key(p, 4)).extra["state_key"])
+        cur = protocol.read_header(run.store, protocol.read_header(run.store, layout.global_key(p, 4)).extra["state_key"])
         assert st.header.extra["consumed"] == cur.extra["consumed"]  # nothing merged twice or dropped
-        assert header.clock > runmod.read_header(run.store, keys.global_key(p, 4)).clock
+        assert header.clock > protocol.read_header(run.store, layout.global_key(p, 4)).clock
     # the running syncer loses its next publish race, adopts the rollback and goes on from it
     run.write_delta("b", 0, base_version=4)
     poll_and_merge(syncer)
     assert syncer.counters["publish_races_lost"] == 1 and syncer.fragments[0].version == 5
     assert syncer.merge_ready() == 1  # the kept deltas, anchored at the rolled-back global
-    assert runmod.list_versions(run.store, 0) == [0, 1, 2, 3, 4, 5, 6]
+    assert protocol.list_versions(run.store, 0) == [0, 1, 2, 3, 4, 5, 6]
     # a restarted syncer resumes from the rollback, replay checks the rollback versions too
     fresh = run.syncer()
     assert fresh.fragments[1].version == 5
-    snap_params = runmod.read_global(run.store, run.spec, 1, 2)[1]
+    snap_params = protocol.read_global(run.store, run.spec, 1, 2)[1]
     assert all(torch.equal(fresh.fragments[1].params[n], t) for n, t in snap_params.items())
     assert replay(run.store, run.spec, outer_kwargs=OUTER)["ok"]
-    assert runmod.ledger(run.store)["deltas_unaccounted"] == 0
+    assert protocol.ledger(run.store)["deltas_unaccounted"] == 0
 
 
 def test_rollback_skips_fragments_still_at_the_snapshot(history):
@@ -260,7 +266,7 @@ def test_rollback_refuses_while_a_syncer_is_active_unless_forced(history):
     assert active_syncers(run.store, 30.0)
     with pytest.raises(SnapshotError, match="syncer looks active.*--force"):
         rollback(run.store, m)
-    assert runmod.list_versions(run.store, 0) == [0, 1, 2]
+    assert protocol.list_versions(run.store, 0) == [0, 1, 2]
     assert active_syncers(run.store, 30.0, now=time.time() + 60) == []
     result = rollback(run.store, m, force=True)
     assert result["forced"] and result["published"] == {str(p): 3 for p in range(4)}
@@ -277,7 +283,7 @@ def test_export_round_trips_into_the_model(history, tmp_path):
     result = export_model(run.store, str(out))
     assert result["versions"] == {str(p): 3 for p in range(4)}
     loaded = load_file(str(out))
-    params, versions = runmod.read_global_params(run.store, run.spec)
+    params, versions = protocol.read_global_params(run.store, run.spec)
     assert set(loaded) == set(params) and all(torch.equal(loaded[n], params[n]) for n in params)
     assert all(t.dtype == torch.float32 for t in loaded.values())
     with safe_open(str(out), framework="pt") as f:
@@ -293,7 +299,7 @@ def test_export_round_trips_into_the_model(history, tmp_path):
     assert snap["versions"] == {str(p): 2 for p in range(4)} and snap["snapshot"] == "exp"
     loaded = load_file(str(tmp_path / "snap.safetensors"))
     for p in range(4):
-        for n, t in runmod.read_global(run.store, run.spec, p, 2)[1].items():
+        for n, t in protocol.read_global(run.store, run.spec, p, 2)[1].items():
             assert torch.equal(loaded[n], t)
     assert m["fragments"]["0"]["version"] == 2
 
@@ -318,7 +324,7 @@ def test_cli_snapshot_restore_rollback_export_replay(tmp_path):
     restored = cli_json("restore", "--store", url, "--snapshot", "cli-1", "--to", new_url)
     assert restored["versions"] == {str(p): 2 for p in range(4)}
     new_store = open_store(config.StorageConfig(url=new_url))
-    assert runmod.read_index(new_store)[0] == {p: 2 for p in range(4)}
+    assert protocol.read_index(new_store)[0] == {p: 2 for p in range(4)}
     new_store.close()
 
     syncer.write_status(force=True)
@@ -332,7 +338,7 @@ def test_cli_snapshot_restore_rollback_export_replay(tmp_path):
     assert exported["versions"] == {str(p): 4 for p in range(4)}
     loaded = load_file(str(out))
     for p in range(4):
-        assert all(torch.equal(loaded[n], t) for n, t in runmod.read_global(run.store, run.spec, p, 2)[1].items())
+        assert all(torch.equal(loaded[n], t) for n, t in protocol.read_global(run.store, run.spec, p, 2)[1].items())
     cli_json("export", "--store", url, "--snapshot", "cli-1", "--out", str(tmp_path / "s.safetensors"))
 
     result = cli_json("replay", "--store", url)

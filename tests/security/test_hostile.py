@@ -16,7 +16,7 @@ The run uses ``--set security.run_secret=...`` when the settings tree has a ``se
 learner would hold (its own, derived from the run secret) unless the case is about signatures.
 The cases run in file order on one shared run (module fixture); the flood and the small-norm
 attack run last (the flood gets its learner quarantined; a successful small-norm attack starves
-the honest learners for good), then one check over every merge record and for leaked keys.
+the honest learners for good), then one check over every merge record and for leaked layout.
 Budget: about two to three minutes.
 """
 
@@ -37,9 +37,17 @@ import boto3
 import pytest
 import torch
 
-from ddiloco_geo import codec, config, keys, run as runmod, signing
-from ddiloco_geo.clocks import VectorClock
-from ddiloco_geo.errors import CodecError, NotFoundError
+from ddiloco_geo import codec
+
+from ddiloco_geo.core import config
+
+from ddiloco_geo.core import layout
+
+from ddiloco_geo import protocol
+
+from ddiloco_geo.core import signing
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.errors import CodecError, NotFoundError
 from ddiloco_geo.storage import open_store
 from tests.conftest import TEST_REGION, cli_args_for, create_s3_bucket, storage_config_for, unique_name
 
@@ -84,7 +92,7 @@ def learner_signer(learner: str, secret: str = SECRET) -> signing.Signer:
 
 
 class LiveRun:
-    """The processes, an in-process view of the bucket, and the bookkeeping of hostile keys."""
+    """The processes, an in-process view of the bucket, and the bookkeeping of hostile layout."""
 
     def __init__(self, endpoint: str, tmp: Path) -> None:
         self.tmp = tmp
@@ -102,7 +110,7 @@ class LiveRun:
         self.hostile: set[str] = set()  # every hostile key written (must never be merged)
         self.allowed_merged: set[str] = set()  # hostile-but-valid keys a syncer may merge (flood under quota)
         self.tape: dict[str, dict] = {}
-        self.spec: runmod.RunSpec | None = None
+        self.spec: protocol.RunSpec | None = None
 
     # --- processes -------------------------------------------------------------------------------
 
@@ -136,7 +144,7 @@ class LiveRun:
 
     def status(self) -> dict:
         try:
-            return json.loads(self.store.get(keys.syncer_status_key(0, 1)))
+            return json.loads(self.store.get(layout.syncer_status_key(0, 1)))
         except NotFoundError:
             return {}
 
@@ -145,15 +153,15 @@ class LiveRun:
 
     def heartbeat_step(self, learner: str) -> int:
         try:
-            return int(json.loads(self.store.get(keys.heartbeat_key(learner))).get("step") or 0)
+            return int(json.loads(self.store.get(layout.heartbeat_key(learner))).get("step") or 0)
         except (NotFoundError, ValueError):
             return 0
 
     def index(self) -> dict[int, int]:
-        return runmod.read_index(self.store)[0]
+        return protocol.read_index(self.store)[0]
 
     def refresh_tape(self) -> list[dict]:
-        for key in self.store.list(keys.SYNCER + "tape/"):
+        for key in self.store.list(layout.SYNCER + "tape/"):
             if key not in self.tape:
                 try:
                     self.tape[key] = json.loads(self.store.get(key))
@@ -175,7 +183,7 @@ class LiveRun:
 
     def rejections(self, learner: str) -> dict[str, str]:
         out = {}
-        for key in self.store.list(f"{keys.SYNCER}rejected/{learner}/"):
+        for key in self.store.list(f"{layout.SYNCER}rejected/{learner}/"):
             try:
                 rec = json.loads(self.store.get(key))
                 out[rec["key"]] = rec["reason"]
@@ -203,10 +211,10 @@ class LiveRun:
     def put_next_seq(self, learner: str, fragment: int, data: bytes) -> str:
         """Write into a (possibly honest) learner's prefix at its next free seq, so its listing
         cursor skips nothing; the learner's uploader simply moves on to the next seq."""
-        seqs = [keys.parse_delta_key(k).seq for k in self.store.list(keys.deltas_dir(learner))]
+        seqs = [layout.parse_delta_key(k).seq for k in self.store.list(layout.deltas_dir(learner))]
         seq = max(seqs, default=-1) + 1
         while True:
-            key = keys.delta_key(learner, seq, fragment)
+            key = layout.delta_key(learner, seq, fragment)
             if self.store.put_if_absent(key, data):
                 self.hostile.add(key)
                 return key
@@ -236,7 +244,7 @@ class LiveRun:
         deadline = time.monotonic() + timeout
         found: dict[str, str] = {}
         while True:
-            for learner in {keys.parse_learner(k) for k in expected}:
+            for learner in {layout.parse_learner(k) for k in expected}:
                 found.update({k: r for k, r in self.rejections(learner).items() if k in expected})
             merged = self.merged_keys() & set(expected)
             if set(found) | merged >= set(expected) or time.monotonic() > deadline:
@@ -308,7 +316,7 @@ def live(moto_endpoint, tmp_path_factory):
             run.assert_alive()
             if run.spec is None:
                 try:
-                    run.spec = runmod.load_spec(run.store)
+                    run.spec = protocol.load_spec(run.store)
                 except (NotFoundError, CodecError):
                     pass
             counters = run.status().get("counters", {})
@@ -337,10 +345,10 @@ def test_random_bytes(live):
             reason = "decoded?!"
         except CodecError as exc:
             reason = exc.reason
-        expected[live.put(keys.delta_key("x-random", i, i % NUM_FRAGMENTS), blob)] = {reason}
+        expected[live.put(layout.delta_key("x-random", i, i % NUM_FRAGMENTS), blob)] = {reason}
     # a header length that claims more than exists, and a JSON header that is not an object
-    expected[live.put(keys.delta_key("x-random", 5, 0), struct.pack("<Q", 2**40) + b"{}")] = {"too_large", "truncated"}
-    expected[live.put(keys.delta_key("x-random", 6, 1), struct.pack("<Q", 2) + b"[]")] = {"bad_header"}
+    expected[live.put(layout.delta_key("x-random", 5, 0), struct.pack("<Q", 2**40) + b"{}")] = {"too_large", "truncated"}
+    expected[live.put(layout.delta_key("x-random", 6, 1), struct.pack("<Q", 2) + b"[]")] = {"bad_header"}
     found = live.wait_rejected(expected)
     live.assert_counted_and_logged_once(found, snap["reasons"])
     live.assert_healthy(snap)
@@ -348,21 +356,21 @@ def test_random_bytes(live):
 
 def test_truncated_and_bit_flipped_objects(live):
     snap = live.snapshot()
-    honest_key = sorted(live.merged_keys() & set(live.store.list(keys.deltas_dir(HONEST[0]))))[-1]
+    honest_key = sorted(live.merged_keys() & set(live.store.list(layout.deltas_dir(HONEST[0]))))[-1]
     honest = live.store.get(honest_key)
-    p = keys.parse_delta_key(honest_key).fragment
+    p = layout.parse_delta_key(honest_key).fragment
     expected = {
-        live.put(keys.delta_key("x-trunc", 0, p), honest[: len(honest) // 2]): {"truncated"},
-        live.put(keys.delta_key("x-trunc", 1, p), honest[:5]): {"truncated"},
-        live.put(keys.delta_key("x-trunc", 2, p), honest[: codec.header_span(honest) - 3]): {"truncated"},
+        live.put(layout.delta_key("x-trunc", 0, p), honest[: len(honest) // 2]): {"truncated"},
+        live.put(layout.delta_key("x-trunc", 1, p), honest[:5]): {"truncated"},
+        live.put(layout.delta_key("x-trunc", 2, p), honest[: codec.header_span(honest) - 3]): {"truncated"},
     }
     own = live.delta("x-flip", 0, p)
     flipped = bytearray(own)
     flipped[-10] ^= 0x10  # a tensor byte
-    expected[live.put(keys.delta_key("x-flip", 0, p), bytes(flipped))] = {"checksum"}
+    expected[live.put(layout.delta_key("x-flip", 0, p), bytes(flipped))] = {"checksum"}
     flipped = bytearray(live.delta("x-flip", 1, p))
     flipped[3] ^= 0x80  # the header length
-    expected[live.put(keys.delta_key("x-flip", 1, p), bytes(flipped))] = {"too_large", "truncated", "bad_header"}
+    expected[live.put(layout.delta_key("x-flip", 1, p), bytes(flipped))] = {"too_large", "truncated", "bad_header"}
     found = live.wait_rejected(expected)
     live.assert_counted_and_logged_once(found, snap["reasons"])
     live.assert_healthy(snap)
@@ -374,7 +382,7 @@ def test_tampered_header_is_bad_signature(live):
     data = live.delta("x-tamper", 0, 1)
     assert b'"num_tokens":"4096"' in data
     tampered = data.replace(b'"num_tokens":"4096"', b'"num_tokens":"9096"')
-    key = live.put(keys.delta_key("x-tamper", 0, 1), tampered)
+    key = live.put(layout.delta_key("x-tamper", 0, 1), tampered)
     found = live.wait_rejected({key: {"bad_signature"}})
     live.assert_counted_and_logged_once(found, snap["reasons"])
     live.assert_healthy(snap)
@@ -430,11 +438,11 @@ def test_nan_and_inf(live):
     name = sorted(live.spec.plan.expect(p))[0]
     int4 = live.delta("x-nan", 2, p)
     expected = {
-        live.put(keys.delta_key("x-nan", 0, p), _resign(fp32, _poke(name, float("nan")), signer)): {"nonfinite"},
-        live.put(keys.delta_key("x-nan", 1, p), _resign(live.delta("x-nan", 1, p, codec_name="fp32"),
+        live.put(layout.delta_key("x-nan", 0, p), _resign(fp32, _poke(name, float("nan")), signer)): {"nonfinite"},
+        live.put(layout.delta_key("x-nan", 1, p), _resign(live.delta("x-nan", 1, p, codec_name="fp32"),
                                                          _poke(name, float("-inf")), signer)): {"nonfinite"},
-        live.put(keys.delta_key("x-nan", 2, p), _resign(int4, _poke(f"{name}:scale", float("inf")), signer)): {"nonfinite"},
-        live.put(keys.delta_key("x-nan", 3, p), _resign(live.delta("x-nan", 3, p),
+        live.put(layout.delta_key("x-nan", 2, p), _resign(int4, _poke(f"{name}:scale", float("inf")), signer)): {"nonfinite"},
+        live.put(layout.delta_key("x-nan", 3, p), _resign(live.delta("x-nan", 3, p),
                                                          _poke(f"{name}:scale", 3e38), signer)): {"nonfinite"},
     }
     for key, data in [(k, live.store.get(k)) for k in expected]:  # the objects are what we meant
@@ -456,7 +464,7 @@ def test_wrong_shapes(live):
     other_fragment = {n: torch.zeros(s) for n, s in live.spec.plan.expect(0).items()}
     expected = {}
     for seq, tensors in enumerate((bigger, missing, extra, other_fragment)):
-        key = keys.delta_key("x-shape", seq, p)
+        key = layout.delta_key("x-shape", seq, p)
         expected[live.put(key, live.delta("x-shape", seq, p, tensors=tensors))] = {"shape"}
     found = live.wait_rejected(expected)
     live.assert_counted_and_logged_once(found, snap["reasons"])
@@ -467,7 +475,7 @@ def test_absurd_norm(live):
     snap = live.snapshot()
     expected = {}
     for seq, p in enumerate(range(NUM_FRAGMENTS)):
-        expected[live.put(keys.delta_key("x-norm", seq, p), live.delta("x-norm", seq, p, scale=1e4, num_steps=1))] = {"norm"}
+        expected[live.put(layout.delta_key("x-norm", seq, p), live.delta("x-norm", seq, p, scale=1e4, num_steps=1))] = {"norm"}
     found = live.wait_rejected(expected)
     live.assert_counted_and_logged_once(found, snap["reasons"])
     live.assert_healthy(snap)
@@ -478,20 +486,20 @@ def test_headers_that_lie(live):
     index = live.index()
     L = "x-lies"
     expected = {
-        live.put(keys.delta_key(L, 0, 0), live.delta(L, 0, 0, num_steps=0)): {"no_steps"},
-        live.put(keys.delta_key(L, 1, 0), live.delta(L, 1, 0, num_tokens=0)): {"no_steps"},
-        live.put(keys.delta_key(L, 2, 1), live.delta(L, 2, 1, base_version=10**6)): {"future_base"},
+        live.put(layout.delta_key(L, 0, 0), live.delta(L, 0, 0, num_steps=0)): {"no_steps"},
+        live.put(layout.delta_key(L, 1, 0), live.delta(L, 1, 0, num_tokens=0)): {"no_steps"},
+        live.put(layout.delta_key(L, 2, 1), live.delta(L, 2, 1, base_version=10**6)): {"future_base"},
         # fragment 1's tensors, header says fragment 2: the codec's shape check passes, the key check does not
-        live.put(keys.delta_key(L, 3, 1), live.delta(L, 3, 1, fragment=2, tensors={
+        live.put(layout.delta_key(L, 3, 1), live.delta(L, 3, 1, fragment=2, tensors={
             n: torch.zeros(s) for n, s in live.spec.plan.expect(1).items()})): {"wrong_fragment"},
-        live.put(keys.delta_key(L, 4, 2), live.delta(L, 4, 2, seq=40)): {"wrong_seq"},
-        live.put(keys.delta_key(L, 5, 999), live.delta(L, 5, 0)): {"wrong_fragment"},
-        live.put(keys.delta_key(L, 6, 3), live.delta(L, 6, 3, run_id="another-run")): {"run_id"},
-        live.put(keys.delta_key(L, 7, 3), live.delta(L, 7, 3, kind="global")): {"kind"},
+        live.put(layout.delta_key(L, 4, 2), live.delta(L, 4, 2, seq=40)): {"wrong_seq"},
+        live.put(layout.delta_key(L, 5, 999), live.delta(L, 5, 0)): {"wrong_fragment"},
+        live.put(layout.delta_key(L, 6, 3), live.delta(L, 6, 3, run_id="another-run")): {"run_id"},
+        live.put(layout.delta_key(L, 7, 3), live.delta(L, 7, 3, kind="global")): {"kind"},
     }
     p = max(index, key=index.get)
     if index[p] > MAX_STALENESS + 1:
-        expected[live.put(keys.delta_key(L, 8, p), live.delta(L, 8, p, base_version=0))] = {"stale"}
+        expected[live.put(layout.delta_key(L, 8, p), live.delta(L, 8, p, base_version=0))] = {"stale"}
     found = live.wait_rejected(expected)
     live.assert_counted_and_logged_once(found, snap["reasons"])
     live.assert_healthy(snap)
@@ -505,13 +513,13 @@ def test_forged_and_missing_signatures(live):
     snap = live.snapshot()
     L = "x-forged"
     expected = {
-        live.put(keys.delta_key(L, 0, 0), live.delta(L, 0, 0, signer=learner_signer(L, WRONG_SECRET))): {"bad_signature"},
-        live.put(keys.delta_key(L, 1, 1), live.delta(L, 1, 1, signer=signing.signer_for(WRONG_SECRET, "syncer"))): {
+        live.put(layout.delta_key(L, 0, 0), live.delta(L, 0, 0, signer=learner_signer(L, WRONG_SECRET))): {"bad_signature"},
+        live.put(layout.delta_key(L, 1, 1), live.delta(L, 1, 1, signer=signing.signer_for(WRONG_SECRET, "syncer"))): {
             "bad_signature", "wrong_signer"},
         # another learner's valid key under this learner's key id
-        live.put(keys.delta_key(L, 2, 2), live.delta(L, 2, 2, signer=signing.Signer(
+        live.put(layout.delta_key(L, 2, 2), live.delta(L, 2, 2, signer=signing.Signer(
             signing.derive_key(SECRET, "learner", HONEST[0]), f"learner:{L}"))): {"bad_signature"},
-        live.put(keys.delta_key(L, 3, 3), live.delta(L, 3, 3, signer=None)): {"unsigned"},
+        live.put(layout.delta_key(L, 3, 3), live.delta(L, 3, 3, signer=None)): {"unsigned"},
     }
     found = live.wait_rejected(expected)
     live.assert_counted_and_logged_once(found, snap["reasons"])
@@ -522,14 +530,14 @@ def test_objects_under_the_wrong_prefix(live):
     """An honest learner's signed delta copied under another prefix, and a delta signed by one
     learner that claims to be another ([wiring] for wrong_signer)."""
     snap = live.snapshot()
-    b_key = sorted(live.merged_keys() & set(live.store.list(keys.deltas_dir(HONEST[1]))))[-1]
+    b_key = sorted(live.merged_keys() & set(live.store.list(layout.deltas_dir(HONEST[1]))))[-1]
     b_data = live.store.get(b_key)
-    p = keys.parse_delta_key(b_key).fragment
+    p = layout.parse_delta_key(b_key).fragment
     expected = {
         # b's object (signed learner:b, header learner b) under x-prefix's prefix
-        live.put(keys.delta_key("x-prefix", 0, p), b_data): {"wrong_signer", "wrong_learner"},
+        live.put(layout.delta_key("x-prefix", 0, p), b_data): {"wrong_signer", "wrong_learner"},
         # x-prefix signs with its own key but the header claims b
-        live.put(keys.delta_key("x-prefix", 1, p), live.delta("x-prefix", 1, p, learner=HONEST[1],
+        live.put(layout.delta_key("x-prefix", 1, p), live.delta("x-prefix", 1, p, learner=HONEST[1],
                                                               signer=learner_signer("x-prefix"))): {"wrong_learner", "wrong_signer"},
         # a bucket-level attacker drops b's object into honest-a's prefix (at a's next free seq)
         live.put_next_seq(HONEST[0], p, b_data): {"wrong_signer", "wrong_learner"},
@@ -542,9 +550,9 @@ def test_objects_under_the_wrong_prefix(live):
 def test_replayed_delta(live):
     """[wiring] a copy of honest-a's merged delta under a new seq of honest-a."""
     snap = live.snapshot()
-    a_key = sorted(live.merged_keys() & set(live.store.list(keys.deltas_dir(HONEST[0]))))[-1]
+    a_key = sorted(live.merged_keys() & set(live.store.list(layout.deltas_dir(HONEST[0]))))[-1]
     data = live.store.get(a_key)
-    key = live.put_next_seq(HONEST[0], keys.parse_delta_key(a_key).fragment, data)
+    key = live.put_next_seq(HONEST[0], layout.parse_delta_key(a_key).fragment, data)
     found = live.wait_rejected({key: {"replay", "clock_backwards"}})
     live.assert_counted_and_logged_once(found, snap["reasons"])
     live.assert_healthy(snap)
@@ -561,7 +569,7 @@ def test_huge_object(live):
     tensors["pad"] = torch.zeros(16 * 2**20)
     data = live.delta("x-huge", 0, p, tensors=tensors, codec_name="fp32")
     assert len(data) >= 64 * 2**20
-    key = live.put(keys.delta_key("x-huge", 0, p), data)
+    key = live.put(layout.delta_key("x-huge", 0, p), data)
     del data, tensors
     found = live.wait_rejected({key: {"too_large"}}, timeout=60)
     live.assert_counted_and_logged_once(found, snap["reasons"])
@@ -570,7 +578,7 @@ def test_huge_object(live):
 
 def test_path_traversal_and_bad_keys(live):
     snap = live.snapshot()
-    before_globals = set(live.store.list(keys.GLOBALS))
+    before_globals = set(live.store.list(layout.GLOBALS))
     index_before = live.index()
     payload = live.delta("x-trav", 0, 0)
     raw = [
@@ -601,9 +609,9 @@ def test_path_traversal_and_bad_keys(live):
     assert all(n == 1 for n in logged.values()), logged
     live.assert_healthy(snap)
     # nothing escaped into globals/: every new key there is an honest version, update or the index
-    for key in set(live.store.list(keys.GLOBALS)) - before_globals:
+    for key in set(live.store.list(layout.GLOBALS)) - before_globals:
         m = re.fullmatch(r"globals/f\d{3}/[uv](\d{10})\.st", key)
-        assert key == keys.globals_index_key() or (m and int(m.group(1)) < 10**6), key
+        assert key == layout.globals_index_key() or (m and int(m.group(1)) < 10**6), key
     index_after = live.index()
     assert all(index_before[p] <= index_after[p] < 10**6 for p in index_before), index_after
 
@@ -620,7 +628,7 @@ def test_flood_is_rate_limited_then_quarantined(live):
     t0 = time.monotonic()
     signer = learner_signer(L)
     first = {p: live.delta(L, p, p, base_version=index[p]) for p in range(NUM_FRAGMENTS)}
-    blobs = [(keys.delta_key(L, seq, seq % NUM_FRAGMENTS),
+    blobs = [(layout.delta_key(L, seq, seq % NUM_FRAGMENTS),
               _resign(first[seq % NUM_FRAGMENTS], _stamp(seq), signer, seq=str(seq), clock=json.dumps({L: seq + 1}, separators=(",", ":"))))
              for seq in range(n)]
     assert codec.decode(blobs[-1][1], verify=signing.run_verifier(SECRET))[0].seq == n - 1
@@ -633,7 +641,7 @@ def test_flood_is_rate_limited_then_quarantined(live):
     def quarantined() -> bool:  # a quarantine record, or per-delta 'quarantined' rejections
         if "quarantined" in set(live.rejections(L).values()):
             return True
-        qkey = keys.quarantine_key(L) if hasattr(keys, "quarantine_key") else f"{keys.SYNCER}quarantine/{L}.json"
+        qkey = layout.quarantine_key(L) if hasattr(layout, "quarantine_key") else f"{layout.SYNCER}quarantine/{L}.json"
         return bool(live.store.list(qkey))
 
     deadline = time.monotonic() + 45
@@ -650,11 +658,11 @@ def test_flood_is_rate_limited_then_quarantined(live):
     assert "rate_limit" in reasons and is_quarantined, (
         f"{n} deltas written in {write_s:.1f} s (encoded in {encode_s:.1f} s): reasons {sorted(reasons)}, "
         f"quarantined={is_quarantined}, {len(merged)} merged; {WIRING}")
-    first_limited = min(keys.parse_delta_key(k).seq for k, r in rejected.items() if r == "rate_limit")
+    first_limited = min(layout.parse_delta_key(k).seq for k, r in rejected.items() if r == "rate_limit")
     if "quarantined" in reasons:
-        assert first_limited < min(keys.parse_delta_key(k).seq for k, r in rejected.items() if r == "quarantined")
-    live.allowed_merged |= {k for k in flood if keys.parse_delta_key(k).seq < first_limited}
-    late = {k for k in merged if keys.parse_delta_key(k).seq >= first_limited}
+        assert first_limited < min(layout.parse_delta_key(k).seq for k, r in rejected.items() if r == "quarantined")
+    live.allowed_merged |= {k for k in flood if layout.parse_delta_key(k).seq < first_limited}
+    late = {k for k in merged if layout.parse_delta_key(k).seq >= first_limited}
     assert not late, f"flood deltas merged after the rate limit hit: {sorted(late)[:5]}"
     assert set(rejected.values()) <= {"rate_limit", "quarantined"} | CODEC_REASONS
     live.assert_counted_and_logged_once(rejected, snap["reasons"])
@@ -679,10 +687,10 @@ def test_small_norm_deltas_do_not_starve_honest_learners(live):
         n = len(written)
         data = _resign(template, _stamp(n), signer, seq=str(n), clock=json.dumps({L: n + 1}, separators=(",", ":")),
                        base_version=str(live.index()[p]))
-        written.append(live.put(keys.delta_key(L, n, p), data))
+        written.append(live.put(layout.delta_key(L, n, p), data))
         time.sleep(0.2)
     live.allowed_merged |= set(written)
-    after = {l: max(keys.parse_delta_key(k).seq for k in live.store.list(keys.deltas_dir(l))) for l in HONEST}
+    after = {l: max(layout.parse_delta_key(k).seq for k in live.store.list(layout.deltas_dir(l))) for l in HONEST}
     deadline = time.monotonic() + 40
     while True:
         live.assert_alive()
@@ -693,7 +701,7 @@ def test_small_norm_deltas_do_not_starve_honest_learners(live):
             break
         if time.monotonic() > deadline:
             honest_norm = {k: r for l in HONEST for k, r in live.rejections(l).items()
-                           if r == "norm" and keys.parse_delta_key(k).fragment == p}
+                           if r == "norm" and layout.parse_delta_key(k).fragment == p}
             raise AssertionError(
                 f"honest deltas on fragment {p} no longer merged after {len(written)} tiny deltas from {L}: "
                 f"{starved}; honest deltas rejected as 'norm' on it: {len(honest_norm)}; tiny deltas "
@@ -707,10 +715,10 @@ def test_globals_only_contain_honest_deltas_and_the_secret_never_leaks(live):
     assert "Traceback" not in live.log("syncer"), live.log("syncer")[-3000:]
     records = live.refresh_tape()
     taped = {(r["fragment"], r["version"]) for r in records}
-    for key in live.store.list(keys.GLOBALS):  # a global whose tape entry is missing: its header has the record
+    for key in live.store.list(layout.GLOBALS):  # a global whose tape entry is missing: its header has the record
         m = re.fullmatch(r"globals/f(\d{3})/v(\d{10})\.st", key)
         if m and (int(m.group(1)), int(m.group(2))) not in taped:
-            records.append(runmod.read_header(live.store, key).extra)
+            records.append(protocol.read_header(live.store, key).extra)
     merged = {e["key"]: e["learner"] for r in records for e in r.get("merged", [])}
     superseded = {k for r in records for k in r.get("superseded", [])}
     bad = (set(merged) | superseded) & (live.hostile - live.allowed_merged)
@@ -724,7 +732,7 @@ def test_globals_only_contain_honest_deltas_and_the_secret_never_leaks(live):
     for name in live.procs:
         text = live.log(name)
         assert not any(s in text for s in secrets_), f"a key or the run secret is in the {name} log"
-    small = [k for k in live.store.list(keys.SYNCER) if not k.startswith((keys.SYNCER + "state/", keys.SYNCER + "tape/"))]
-    for key in small + [keys.heartbeat_key(l) for l in HONEST]:
+    small = [k for k in live.store.list(layout.SYNCER) if not k.startswith((layout.SYNCER + "state/", layout.SYNCER + "tape/"))]
+    for key in small + [layout.heartbeat_key(l) for l in HONEST]:
         body = live.store.get(key)
         assert not any(s.encode() in body for s in secrets_), key

@@ -16,10 +16,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddiloco_geo import codec, signing
-from ddiloco_geo.clocks import VectorClock
+from ddiloco_geo import codec
+
+from ddiloco_geo.core import signing
+from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.codec import CodecError, Header
-from ddiloco_geo.signing import Signer, Verifier
+from ddiloco_geo.core.signing import Signer, Verifier
 
 SECRET = "test-run-secret-0123456789abcdef"
 OTHER_SECRET = "a-different-run-secret-not-ours!"

@@ -7,9 +7,15 @@ import uuid
 import pytest
 import torch
 
-from ddiloco_geo import codec, config, keys, run as runmod
-from ddiloco_geo.clocks import VectorClock
-from ddiloco_geo.model import is_embedding
+from ddiloco_geo import codec
+
+from ddiloco_geo.core import config
+
+from ddiloco_geo.core import layout
+
+from ddiloco_geo import protocol
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.model import is_embedding
 from ddiloco_geo.storage import open_store
 from ddiloco_geo.syncer import Syncer, build_spec
 
@@ -42,7 +48,7 @@ class Run:
         self.settings = tiny_settings(**{"storage.url": url or f"memory://t-{uuid.uuid4().hex[:10]}", **overrides})
         self.store = open_store(self.settings.storage)
         spec, self.params = build_spec(self.settings)
-        self.spec = runmod.create_or_load_spec(self.store, spec)
+        self.spec = protocol.create_or_load_spec(self.store, spec)
         self.clock = Clock()
         self.seq: dict[str, int] = {}
 
@@ -53,7 +59,7 @@ class Run:
         return s
 
     def fragment_params(self, p: int, version: int = 0) -> dict[str, torch.Tensor]:
-        return runmod.read_global(self.store, self.spec, p, version)[1]
+        return protocol.read_global(self.store, self.spec, p, version)[1]
 
     def write_delta(self, learner: str, p: int, pseudo_grad: dict[str, torch.Tensor] | None = None, *,
                     base_version: int = 0, steps: int = 4, tokens: int = 256, seq: int | None = None,
@@ -61,7 +67,7 @@ class Run:
         if seq is None:
             seq = self.seq.get(learner, -1) + 1
         self.seq[learner] = max(seq, self.seq.get(learner, -1))
-        key = keys.delta_key(learner, seq, p)
+        key = layout.delta_key(learner, seq, p)
         if raw is None:
             if pseudo_grad is None:
                 gen = torch.Generator().manual_seed(hash((learner, seq, p)) % 2**31)

@@ -69,9 +69,10 @@ def test_local_directory_default_and_status_with_signed_objects(tmp_path):
         if path.is_file():
             assert secret not in path.read_text(errors="ignore"), path
     assert secret not in proc.stderr
-    from ddiloco_geo import codec, keys as keymod
+    from ddiloco_geo import codec
+    from ddiloco_geo.core import layout as keymod
     from ddiloco_geo.storage import open_store
-    from ddiloco_geo import config
+    from ddiloco_geo.core import config
 
     st = open_store(config.load(cli={"storage": {"url": f"file://{tmp_path / 'ddiloco-run'}"}}, environ={})[0].storage)
     delta = st.list(keymod.deltas_dir("learner-0"))[0]
@@ -120,12 +121,13 @@ def test_learner_under_torchrun_with_two_ranks(tmp_path):
         syncer.terminate()
         out, _ = syncer.communicate(timeout=120)
     assert syncer.returncode == 0, out[-3000:]
-    from ddiloco_geo import config, run as runmod
+    from ddiloco_geo.core import config
+    from ddiloco_geo import protocol
     from ddiloco_geo.storage import open_store
 
     st = open_store(config.load(cli={"storage": {"url": store}}, environ={})[0].storage)
-    ledger = runmod.ledger(st)
+    ledger = protocol.ledger(st)
     assert ledger["deltas_unaccounted"] == 0 and ledger["deltas_merged"] >= 8
     # the delta headers carry the counters of both ranks
-    header = runmod.read_header(st, st.list("learners/ddp-learner/deltas/")[0])
+    header = protocol.read_header(st, st.list("learners/ddp-learner/deltas/")[0])
     assert header.num_tokens == header.num_steps * 2 * 8 * 128

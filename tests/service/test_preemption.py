@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco_geo import config, keys, run as runmod
+from ddiloco_geo.core import config
+
+from ddiloco_geo.core import layout
+
+from ddiloco_geo import protocol
 from ddiloco_geo.storage import open_store
 from tests.agent.fake_metadata import FakeMetadata
 
@@ -46,7 +50,7 @@ class Job:
 
     def heartbeat(self, learner: str) -> dict:
         try:
-            return json.loads(self.store.get(keys.heartbeat_key(learner)))
+            return json.loads(self.store.get(layout.heartbeat_key(learner)))
         except Exception:
             return {}
 
@@ -59,7 +63,7 @@ class Job:
         raise AssertionError(f"{learner} did not reach step {step}; log: {self.logs()}")
 
     def exit_record(self, learner: str) -> dict:
-        return json.loads(self.store.get(keys.exit_key(learner)))
+        return json.loads(self.store.get(layout.exit_key(learner)))
 
     def logs(self) -> str:
         return "\n".join(p.read_text()[-1500:] for p in sorted(self.tmp.glob("*.log")))
@@ -101,7 +105,7 @@ def test_spot_notice_flushes_checkpoints_and_exits_zero_then_resumes(job):
         assert first["checkpoint"].startswith("learners/spot-1/checkpoints/")
         assert notice_to_exit < 30, notice_to_exit  # fits GCE's 30 s notice
         # every fragment's unsent work was flushed: the last delta of each fragment is at the last step
-        headers = [runmod.read_header(job.store, k) for k in job.store.list(keys.deltas_dir("spot-1"))]
+        headers = [protocol.read_header(job.store, k) for k in job.store.list(layout.deltas_dir("spot-1"))]
         last = {}
         for h in headers:
             last[h.fragment] = max(last.get(h.fragment, 0), h.extra["step"])
@@ -116,11 +120,11 @@ def test_spot_notice_flushes_checkpoints_and_exits_zero_then_resumes(job):
         assert second["resumed_from"] == first["checkpoint"]
         assert second["reason"] == "sigterm"
         assert second["step"] > first["step"]
-        seqs = [keys.parse_delta_key(k).seq for k in job.store.list(keys.deltas_dir("spot-1"))]
+        seqs = [layout.parse_delta_key(k).seq for k in job.store.list(layout.deltas_dir("spot-1"))]
         assert seqs == list(range(len(seqs)))  # the sequence continues across incarnations
         syncer.send_signal(signal.SIGTERM)
         assert syncer.wait(timeout=120) == 0, job.logs()
-        ledger = runmod.ledger(job.store)
+        ledger = protocol.ledger(job.store)
         assert ledger["deltas_unaccounted"] == 0 and ledger["deltas_merged"] == len(seqs)
     finally:
         metadata.stop()
@@ -147,7 +151,7 @@ def test_scavenged_learner_is_merged_within_two_fragment_periods(job):
     job.start("learner", "--id", "scavenged-1")  # capacity that appears mid-run
     job.wait_step("scavenged-1", 2 * 8 + 4)  # two fragment periods (H = 8) and a little slack
     time.sleep(2.0)
-    merged = [e for r in runmod.merge_records(job.store) for e in r.get("merged", []) if e["learner"] == "scavenged-1"]
+    merged = [e for r in protocol.merge_records(job.store) for e in r.get("merged", []) if e["learner"] == "scavenged-1"]
     assert merged, job.logs()
     first = min(merged, key=lambda e: e["seq"])
     assert first["seq"] == 0

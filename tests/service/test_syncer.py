@@ -9,10 +9,16 @@ import json
 import pytest
 import torch
 
-from ddiloco_geo import codec, keys, merge, run as runmod
-from ddiloco_geo.clocks import VectorClock
-from ddiloco_geo.errors import CodecError
-from ddiloco_geo.outer import OuterOptimizer
+from ddiloco_geo import codec
+
+from ddiloco_geo.core import layout
+
+from ddiloco_geo.core import merge
+
+from ddiloco_geo import protocol
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.errors import CodecError
+from ddiloco_geo.core.outer import OuterOptimizer
 
 
 def poll(syncer) -> int:
@@ -26,7 +32,7 @@ def pg_const(run, p: int, value: float) -> dict[str, torch.Tensor]:
 def test_bootstrap_publishes_version_zero_of_every_fragment(tiny_run):
     run = tiny_run()
     syncer = run.syncer()
-    index, _ = runmod.read_index(run.store)
+    index, _ = protocol.read_index(run.store)
     assert index == {p: 0 for p in range(run.spec.plan.num_fragments)}
     for p in range(run.spec.plan.num_fragments):
         params = run.fragment_params(p)
@@ -44,7 +50,7 @@ def test_quorum_waits_for_k_distinct_learners(tiny_run):
     run.write_delta("b", 0)
     poll(syncer)
     assert syncer.merge_ready() == 1
-    head = runmod.read_header(run.store, keys.global_key(0, 1))
+    head = protocol.read_header(run.store, layout.global_key(0, 1))
     assert head.extra["contributors"] == 2
     assert len(head.extra["superseded"]) == 1  # a's older, cumulative delta
 
@@ -64,7 +70,7 @@ def test_grace_window_spends_only_the_slack(tiny_run):
     assert syncer.merge_ready() == 0
     run.clock.t = 1.01
     assert syncer.merge_ready() == 1
-    head = runmod.read_header(run.store, keys.global_key(1, 1))
+    head = protocol.read_header(run.store, layout.global_key(1, 1))
     assert head.extra["contributors"] == 2
     # without slack there is no window at all
     syncer.ema_step.value = 0.1
@@ -89,7 +95,7 @@ def test_merge_applies_token_weighted_rda_and_nesterov(tiny_run):
     got = run.fragment_params(p, 1)
     for n in got:
         torch.testing.assert_close(got[n], expected[n], rtol=1e-6, atol=1e-7)
-    rec = runmod.read_header(run.store, keys.global_key(p, 1)).extra
+    rec = protocol.read_header(run.store, layout.global_key(p, 1)).extra
     assert [e["weight"] for e in rec["merged"]] == weights
 
 
@@ -161,12 +167,12 @@ def test_bad_deltas_are_rejected_with_a_recorded_reason(tiny_run, case, reason):
     poll(syncer)
     syncer.merge_ready()
     assert syncer.counters["rejected_by_reason"] == {reason: 1}
-    record = json.loads(run.store.get(keys.rejected_key("evil", 0, p)))
+    record = json.loads(run.store.get(layout.rejected_key("evil", 0, p)))
     assert record["key"] == key and record["reason"] == reason
-    ledger = runmod.ledger(run.store)
+    ledger = protocol.ledger(run.store)
     assert ledger["deltas_unaccounted"] == 0
     assert ledger["rejected_by_reason"] == {reason: 1}
-    merged = runmod.read_header(run.store, keys.global_key(p, 1)).extra["merged"]
+    merged = protocol.read_header(run.store, layout.global_key(p, 1)).extra["merged"]
     assert [e["key"] for e in merged] == [honest]
 
 
@@ -214,10 +220,10 @@ def test_restart_resumes_exactly_and_never_merges_twice(tiny_run):
             assert torch.equal(t, momentum[p][name])
     poll(second)
     second.merge_ready()
-    ledger = runmod.ledger(run.store)
+    ledger = protocol.ledger(run.store)
     assert ledger["deltas_unaccounted"] == 0
     assert ledger["deltas_merged"] == ledger["deltas_written"] == 13
-    merged_keys = [e["key"] for r in runmod.merge_records(run.store) for e in r.get("merged", [])]
+    merged_keys = [e["key"] for r in protocol.merge_records(run.store) for e in r.get("merged", [])]
     assert len(merged_keys) == len(set(merged_keys)) == 13
 
 
@@ -229,11 +235,11 @@ def test_crash_between_global_and_index_is_repaired(tiny_run):
     first.merge_ready()
     # simulate a crash after the global was written but before the index moved
     body = json.dumps({"versions": {str(p): 0 for p in range(run.spec.plan.num_fragments)}}).encode()
-    _, token = run.store.read_token(keys.globals_index_key())
-    run.store.cas(keys.globals_index_key(), body, token)
+    _, token = run.store.read_token(layout.globals_index_key())
+    run.store.cas(layout.globals_index_key(), body, token)
     second = run.syncer()
     assert second.fragments[0].version == 1
-    assert runmod.read_index(run.store)[0][0] == 1
+    assert protocol.read_index(run.store)[0][0] == 1
 
 
 def test_two_syncers_never_publish_two_objects_for_one_version(tiny_run):
@@ -248,14 +254,14 @@ def test_two_syncers_never_publish_two_objects_for_one_version(tiny_run):
     assert s1.merge_ready() == 1
     assert s2.merge_ready() == 1  # it tries, loses the create, adopts the winner
     assert s2.counters["publish_races_lost"] == 1
-    assert runmod.list_versions(run.store, 0) == [0, 1]
-    winner = runmod.read_header(run.store, keys.global_key(0, 1)).extra
+    assert protocol.list_versions(run.store, 0) == [0, 1]
+    winner = protocol.read_header(run.store, layout.global_key(0, 1)).extra
     assert [e["learner"] for e in winner["merged"]] == ["a"]
     # the loser kept b's delta and merges it as version 2
     assert s2.fragments[0].version == 1 and [d.learner for d in s2.fragments[0].pending] == ["b"]
     s2.merge_ready()
-    assert runmod.list_versions(run.store, 0) == [0, 1, 2]
-    assert runmod.ledger(run.store)["deltas_unaccounted"] == 0
+    assert protocol.list_versions(run.store, 0) == [0, 1, 2]
+    assert protocol.ledger(run.store)["deltas_unaccounted"] == 0
 
 
 def test_drain_merges_below_quorum(tiny_run):
@@ -265,7 +271,7 @@ def test_drain_merges_below_quorum(tiny_run):
     poll(syncer)
     assert syncer.merge_ready() == 0
     asyncio.run(syncer.drain())
-    assert runmod.ledger(run.store)["deltas_unaccounted"] == 0
+    assert protocol.ledger(run.store)["deltas_unaccounted"] == 0
 
 
 def test_update_objects_reconstruct_the_global_bit_for_bit(tiny_run):
@@ -277,7 +283,7 @@ def test_update_objects_reconstruct_the_global_bit_for_bit(tiny_run):
         run.write_delta("a", p, base_version=v - 1)
         poll(syncer)
         syncer.merge_ready()
-        header, change = codec.decode(run.store.get(keys.global_update_key(p, v)), kind="update",
+        header, change = codec.decode(run.store.get(layout.global_update_key(p, v)), kind="update",
                                       run_id=run.spec.run_id, expect=run.spec.plan.expect(p))
         assert header.base_version == v - 1 and header.codec == "int4"
         held = {n: held[n] + change[n] for n in held}
@@ -305,9 +311,9 @@ def test_sharded_syncers_run_side_by_side(tiny_run):
     for s in shards:
         poll(s)
         assert s.merge_ready() == len(s.owned)
-    index, _ = runmod.read_index(run.store)
+    index, _ = protocol.read_index(run.store)
     assert index == {p: 1 for p in range(run.spec.plan.num_fragments)}
-    ledger = runmod.ledger(run.store)
+    ledger = protocol.ledger(run.store)
     assert ledger["deltas_unaccounted"] == 0 and ledger["deltas_merged"] == 2 * run.spec.plan.num_fragments
 
 
@@ -328,7 +334,7 @@ def test_merge_spacing_keeps_one_merge_per_fragment_period(tiny_run):
     assert syncer.merge_ready() == 0
     run.clock.t = 4.0
     assert syncer.merge_ready() == 1
-    rec = runmod.read_header(run.store, keys.global_key(0, 2)).extra
+    rec = protocol.read_header(run.store, layout.global_key(0, 2)).extra
     assert rec["contributors"] == 2  # b and c gathered into one merge
 
 
@@ -353,20 +359,20 @@ def test_a_learner_that_keeps_failing_is_quarantined_and_accounted(tiny_run):
     poll(syncer)
     assert sum(syncer.counters["rejected_by_reason"].values()) == 3
     assert "evil" in syncer.status()["quarantined"]
-    assert run.store.get(keys.quarantine_key("evil"))
+    assert run.store.get(layout.quarantine_key("evil"))
     for _ in range(2):  # ignored from now on: not even fetched
         run.write_delta("evil", 0, raw=b"garbage" * 10)
     seen = syncer.counters["deltas_seen"]
     poll(syncer)
     assert syncer.counters["deltas_seen"] == seen
-    ledger = runmod.ledger(run.store)
+    ledger = protocol.ledger(run.store)
     assert ledger["deltas_unaccounted"] == 0 and ledger["rejected_by_reason"].get("quarantined") == 2
-    from ddiloco_geo.status import collect
+    from ddiloco_geo.ops.status import collect
 
     view = {l["learner"]: l for l in collect(run.store)["learners"]}
     assert view["evil"]["quarantined"] and view["evil"]["rejected"] == 3
     # an operator lifts the quarantine by deleting the record; the learner is heard again
-    run.store.delete(keys.quarantine_key("evil"))
+    run.store.delete(layout.quarantine_key("evil"))
     poll(syncer)
     assert "evil" not in syncer.status()["quarantined"]
 
@@ -381,13 +387,13 @@ def test_rate_limit(tiny_run):
 
 
 def test_signed_run_rejects_unsigned_forged_and_impersonating_deltas(tiny_run):
-    from ddiloco_geo import signing
+    from ddiloco_geo.core import signing
 
     secret = "test-run-secret"
     run = tiny_run(**{"syncer.grace_gamma": 0.0})
     syncer_kwargs = {"signer": signing.signer_for(secret, "syncer"), "verifier": signing.run_verifier(secret),
                      "require_signatures": True}
-    from ddiloco_geo.model import is_embedding
+    from ddiloco_geo.core.model import is_embedding
     from ddiloco_geo.syncer import Syncer
 
     syncer = Syncer(run.store, run.spec, **run.settings.syncer.model_dump(),
@@ -408,11 +414,11 @@ def test_signed_run_rejects_unsigned_forged_and_impersonating_deltas(tiny_run):
     poll(syncer)
     syncer.merge_ready()
     assert syncer.counters["rejected_by_reason"] == {"unsigned": 1, "bad_signature": 1, "wrong_signer": 1}
-    header, _ = runmod.read_global(run.store, run.spec, 2, 1, verify=signing.run_verifier(secret),
+    header, _ = protocol.read_global(run.store, run.spec, 2, 1, verify=signing.run_verifier(secret),
                                    require_signature=True)
     assert [e["learner"] for e in header.extra["merged"]] == ["good"]
     # learners verify the syncer's signature: a global signed with another key is refused
     with pytest.raises(CodecError):
-        runmod.read_global(run.store, run.spec, 2, 1,
+        protocol.read_global(run.store, run.spec, 2, 1,
                            verify=signing.syncer_verifier(signing.derive_key("other", "syncer")),
                            require_signature=True)

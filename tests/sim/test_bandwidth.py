@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from ddiloco_geo.errors import ConfigError
-from ddiloco_geo.sim.bandwidth import BandwidthModel, bandwidth_rows, ddiloco_gbps, dp_gbps
+from ddiloco_geo.core.errors import ConfigError
+from ddiloco_geo.tools.sim.bandwidth import BandwidthModel, bandwidth_rows, ddiloco_gbps, dp_gbps
 
 M = BandwidthModel()
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ddiloco_geo.cli import main
+from ddiloco_geo.cli.main import main
 
 
 def test_goodput_json_and_chart(tmp_path, capsys):

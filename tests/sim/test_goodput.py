@@ -8,10 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ddiloco_geo.errors import ConfigError
-from ddiloco_geo.sim.calibrate import TARGET_DDILOCO, TARGET_DP, calibrate
-from ddiloco_geo.sim.failures import covered_before, union
-from ddiloco_geo.sim.goodput import (DAY_S, ClusterModel, simulate_ddiloco, simulate_dp,
+from ddiloco_geo.core.errors import ConfigError
+from ddiloco_geo.tools.sim.calibrate import TARGET_DDILOCO, TARGET_DP, calibrate
+from ddiloco_geo.tools.sim.failures import covered_before, union
+from ddiloco_geo.tools.sim.goodput import (DAY_S, ClusterModel, simulate_ddiloco, simulate_dp,
                                      simulate_elastic_dp, simulate_grid, trace_for)
 
 MODEL = ClusterModel()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco_geo.errors import ConfigError
-from ddiloco_geo.sim.hetero import HeteroConfig, simulate_hetero, simulate_policy
+from ddiloco_geo.core.errors import ConfigError
+from ddiloco_geo.tools.sim.hetero import HeteroConfig, simulate_hetero, simulate_policy
 
 CFG = HeteroConfig(horizon_steps=1500)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco_geo.sim.scavenge import ScavengeConfig, scavenge_rows
+from ddiloco_geo.tools.sim.scavenge import ScavengeConfig, scavenge_rows
 
 
 def rows_by(rows):

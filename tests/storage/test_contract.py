@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco_geo.errors import LayoutError, NotFoundError, PreconditionFailedError, StorageError
+from ddiloco_geo.core.errors import LayoutError, NotFoundError, PreconditionFailedError, StorageError
 from ddiloco_geo.storage import check_key
 
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from conftest import free_port, storage_config_for
-from ddiloco_geo.errors import NotFoundError, PreconditionFailedError, StorageError, TransientStorageError
+from ddiloco_geo.core.errors import NotFoundError, PreconditionFailedError, StorageError, TransientStorageError
 from ddiloco_geo.storage import open_store, register_secret, scrub, translate
 
 SENTINEL_KEY_ID = "AKIASENTINEL0KEYID77"
@@ -63,7 +63,7 @@ def test_scrub_removes_credential_shapes():
 
 
 def test_store_url_never_contains_credentials(tmp_path):
-    from ddiloco_geo.config import StorageConfig
+    from ddiloco_geo.core.config import StorageConfig
 
     with open_store(StorageConfig(url=f"file://{tmp_path}")) as store:
         assert store.url == f"file://{tmp_path}"

@@ -6,7 +6,7 @@ import multiprocessing
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from ddiloco_geo.errors import PreconditionFailedError
+from ddiloco_geo.core.errors import PreconditionFailedError
 from ddiloco_geo.storage import open_store
 
 NUM_WRITERS = 16
@@ -70,7 +70,7 @@ def test_concurrent_cas_create_with_none_has_one_winner(store):
 
 
 def _process_writer(cfg_json: str, key: str, token: str, tag: str, start, results) -> None:
-    from ddiloco_geo.config import StorageConfig
+    from ddiloco_geo.core.config import StorageConfig
 
     store = open_store(StorageConfig.model_validate_json(cfg_json))
     start.wait()

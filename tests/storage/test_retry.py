@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from ddiloco_geo.errors import NotFoundError, PreconditionFailedError, TransientStorageError
+from ddiloco_geo.core.errors import NotFoundError, PreconditionFailedError, TransientStorageError
 from ddiloco_geo.storage import FaultPlan, Store
 
 FAST = {"retry_attempts": 4, "retry_initial_s": 0.001, "retry_max_s": 0.002}

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO, cli_args_for
-from ddiloco_geo.cli import main
+from ddiloco_geo.cli.main import main
 from ddiloco_geo.storage import open_store
 
 

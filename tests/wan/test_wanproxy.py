@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco_geo.errors import ConfigError
-from ddiloco_geo.wanproxy import WanProxy, WanProxyThread, _abort, is_loopback, parse_host_port
+from ddiloco_geo.core.errors import ConfigError
+from ddiloco_geo.tools.wanproxy import WanProxy, WanProxyThread, _abort, is_loopback, parse_host_port
 
 MiB = 1024 * 1024
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,1 @@
+"""Vocabulary and pure code: errors, settings, bucket layout, clocks, signing, fragments, merge, outer optimizer, model, data."""

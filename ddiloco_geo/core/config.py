@@ -1,0 +1,328 @@
+"""One settings tree for every component, with one tested precedence.
+
+Precedence, highest first: command line > environment (``DDILOCO_<SECTION>__<FIELD>``) > TOML file
+(``--config FILE`` or ``DDILOCO_CONFIG``) > defaults. Unknown keys and invalid values raise
+:class:`~ddiloco_geo.core.errors.ConfigError` with a message that names the key and says how to fix it.
+Nothing here runs at import time, and nothing outside this module reads the environment for
+settings. Each component receives only its own section (habit 3 in STYLE.md).
+
+:func:`load` returns the validated tree and, for ``ddiloco-geo config --show``, where each value
+came from (``default``, ``file``, ``env`` or ``cli``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ddiloco_geo.core.errors import ConfigError
+
+ENV_PREFIX = "DDILOCO_"
+ENV_NESTED = "__"
+CONFIG_FILE_ENV = "DDILOCO_CONFIG"
+TEST_ENV_PREFIX = "DDILOCO_TEST_"  # reserved for the test harness (e.g. DDILOCO_TEST_LOCALSTACK_URL)
+
+Codec = Literal["fp32", "bf16", "int8", "int4"]
+
+
+def _check_shard(v: str) -> str:
+    try:
+        i, n = (int(x) for x in v.split("/"))
+    except ValueError:
+        raise ValueError(f"shard {v!r} must look like 'i/N', e.g. '0/1' or '2/4'") from None
+    if not 0 <= i < n:
+        raise ValueError(f"shard {v!r}: need 0 <= i < N")
+    return v
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StorageConfig(Section):
+    """How to reach the bucket and how hard to retry."""
+
+    url: str = Field("file://./ddiloco-run", description="run location: file://DIR, memory://NAME, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (LocalStack, moto, MinIO, R2); GCS emulator for gs://")
+    region: str | None = Field(None, description="S3 region name")
+    anonymous: bool = Field(False, description="skip credentials (emulators only)")
+    retry_attempts: int = Field(8, ge=1, le=100, description="attempts for a transient failure, first one included")
+    retry_initial_s: float = Field(0.1, gt=0, description="first backoff delay")
+    retry_max_s: float = Field(10.0, gt=0, description="cap on one backoff delay (full jitter below it)")
+    timeout_s: float = Field(60.0, gt=0, description="per-request connect/read timeout")
+    fault_rate: float = Field(0.0, ge=0, le=1, description="chaos testing only: share of storage attempts that fail (SlowDown, timeout, lost response, torn write), under the retries")
+    fault_seed: int = Field(0, description="chaos testing only: seed of the deterministic fault schedule")
+
+
+class ModelConfig(Section):
+    """The model every learner trains: a built-in GPT by name or dimensions, or a user factory."""
+
+    name: str = Field("tiny", description="built-in size: nano, tiny, small, base, large, xl, or 'custom' (use n_layer/n_head/n_embd)")
+    n_layer: int | None = Field(None, ge=1)
+    n_head: int | None = Field(None, ge=1)
+    n_embd: int | None = Field(None, ge=8)
+    block_size: int = Field(128, ge=8, description="context length in bytes (byte-level vocabulary)")
+    factory: str | None = Field(None, description="'module:function' returning a torch.nn.Module; overrides name")
+    embedding_patterns: list[str] = Field(
+        default_factory=lambda: ["wte", "wpe", "embed", "lm_head"],
+        description="parameter-name substrings merged by weighted mean instead of RDA",
+    )
+    seed: int = Field(0, description="initial weights seed (identical on every learner)")
+
+
+class DataConfig(Section):
+    corpus: str = Field("shakespeare", description="'shakespeare', 'stdlib', or a glob of text files (local path or bucket URL)")
+    eval_ratio: float = Field(0.02, gt=0, lt=0.5, description="held-out share of the corpus for evaluation")
+    eval_batches: int = Field(8, ge=1)
+    max_bytes: int | None = Field(None, ge=1024, description="cap on corpus bytes read (None: all)")
+    shard: str = Field("0/1", description="'i/N': this learner reads the i-th of N disjoint shards")
+
+    @field_validator("shard")
+    @classmethod
+    def _shard(cls, v: str) -> str:
+        return _check_shard(v)
+
+
+class LearnerConfig(Section):
+    id: str | None = Field(None, description="learner id (default: derived from hostname and pid)")
+    region: str = Field("local", description="region label shown in status views")
+    batch_size: int = Field(8, ge=1)
+    lr: float = Field(3e-3, gt=0, description="inner AdamW learning rate")
+    weight_decay: float = Field(0.1, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    max_steps: int = Field(300, ge=1, description="inner steps this learner takes before exiting")
+    max_time_s: float | None = Field(None, gt=0)
+    alpha: float = Field(0.0, ge=0, lt=1, description="mixing factor on adoption: local = alpha*local + (1-alpha)*global; 0 overwrites")
+    codec: Codec = "int4"
+    block_size: int = Field(128, ge=8, description="quantization block (values per scale)")
+    upload_queue: int = Field(8, ge=1, description="deltas waiting for upload before the oldest is dropped and counted")
+    poll_s: float = Field(0.5, gt=0, description="interval between polls for new global versions")
+    heartbeat_s: float = Field(2.0, gt=0)
+    slow_step_s: float = Field(0.0, ge=0, description="extra sleep per step (tests and chaos: a straggler)")
+    device: str = Field("cpu", description="torch device; 'cuda' under torchrun uses LOCAL_RANK")
+    join_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the run and its first globals")
+    flush_deadline_s: float = Field(20.0, gt=0, description="time allowed to flush deltas on exit or preemption notice (fits GCE's 30 s)")
+    log_every: int = Field(10, ge=1, description="steps between progress lines")
+    sync_enabled: bool = Field(True, description="false: train alone after the first pull (no deltas, no polling); the overhead benchmark's baseline")
+
+
+class SyncerConfig(Section):
+    quorum: int = Field(1, ge=1, description="minimum learners K before a fragment is merged")
+    grace_gamma: float = Field(0.5, ge=0, lt=1, description="share of the slack spent waiting for stragglers (0 disables)")
+    ema_decay: float = Field(0.8, gt=0, lt=1, description="EMA weight on the old value for timings")
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    merge_spacing: float = Field(1.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
+    robust: Literal["none", "trimmed_mean", "median"] = Field("none", description="for untrusted learners: a coordinate-wise robust average instead of token-weighted RDA")
+    trim_ratio: float = Field(0.25, ge=0, lt=0.5, description="share of values dropped at each end per coordinate by robust='trimmed_mean'")
+    max_deltas_per_min: int = Field(1200, ge=1, description="per-learner rate limit on delta objects; more are rejected as rate_limit")
+    quarantine_after: int = Field(20, ge=1, description="rejections in a row after which a learner is quarantined (ignored until an operator deletes syncer/quarantine/<id>.json)")
+    max_staleness: int = Field(8, ge=0, description="reject deltas whose base version is older than current - max_staleness")
+    max_norm_ratio: float = Field(50.0, gt=1, description="reject a delta whose per-step norm exceeds this multiple of the fragment's running median")
+    update_codec: Literal["none", "fp32", "bf16", "int8", "int4"] = Field(
+        "int4", description="codec of the per-version update objects learners download ('none': learners fetch full fp32 globals)")
+    poll_s: float = Field(0.2, gt=0)
+    fetch_concurrency: int = Field(8, ge=1)
+    shard: str = Field("0/1", description="'i/S': this syncer owns fragments p with p % S == i")
+    idle_exit_s: float | None = Field(None, gt=0, description="exit after this long with no learner activity (local runs)")
+
+    @field_validator("shard")
+    @classmethod
+    def _shard(cls, v: str) -> str:
+        return _check_shard(v)
+
+
+class FragmentConfig(Section):
+    num_fragments: int = Field(24, ge=1, description="P; fewer if the model has fewer tensors")
+    sync_every: int = Field(24, ge=1, description="H: inner steps between two syncs of one fragment")
+    overlap: int = Field(2, ge=0, description="tau: steps a learner keeps training while a fragment is in flight")
+
+
+class LocalConfig(Section):
+    learners: int = Field(3, ge=1, description="M learner processes")
+    out: str = Field("out", description="directory for summary.json and plots")
+    fresh: bool = Field(True, description="start a new run (wipe a local store) instead of joining one")
+
+
+class AgentConfig(Section):
+    """Preemption notices: the learner stops stepping, flushes, checkpoints and exits 0."""
+
+    provider: Literal["none", "auto", "aws", "gce"] = Field("none", description="cloud metadata to watch for spot/preemption notices ('auto' probes both); SIGTERM is always watched")
+    metadata_url: str | None = Field(None, description="metadata server URL (default: the cloud's link-local address)")
+    poll_s: float = Field(1.0, gt=0, description="interval between metadata polls (GCE long-polls)")
+    act_on_rebalance: bool = Field(True, description="treat an AWS rebalance recommendation as a notice")
+    checkpoint: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
+
+
+class SecurityConfig(Section):
+    """Signed objects (docs/security.md). Keys come from here or the environment, never the bucket."""
+
+    run_secret: SecretStr | None = Field(None, description="run secret every key is derived from (set DDILOCO_SECURITY__RUN_SECRET; never printed)")
+    require_signatures: bool | None = Field(None, description="reject unsigned objects (default: true when a run secret is set)")
+
+    def required(self) -> bool:
+        return self.run_secret is not None if self.require_signatures is None else self.require_signatures
+
+
+class MetricsConfig(Section):
+    address: str | None = Field(None, description="host:port for Prometheus metrics and /healthz (127.0.0.1 only by default)")
+
+
+class Settings(BaseSettings):
+    """The whole tree. Sections are passed to components one at a time."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True)
+
+    run_id: str = Field("run", description="run name recorded in every object header")
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    fragments: FragmentConfig = Field(default_factory=FragmentConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    syncer: SyncerConfig = Field(default_factory=SyncerConfig)
+    local: LocalConfig = Field(default_factory=LocalConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Settings":
+        if self.syncer.quorum > 1 and self.local.learners < self.syncer.quorum:
+            raise ValueError(
+                f"syncer.quorum={self.syncer.quorum} exceeds local.learners={self.local.learners}: "
+                "no merge could ever happen; lower the quorum or add learners"
+            )
+        return self
+
+
+SOURCES = ("default", "file", "env", "cli")
+
+
+def _env_tree(environ: dict[str, str]) -> dict[str, Any]:
+    """``DDILOCO_SECTION__FIELD=value`` -> {"section": {"field": value}} (values parsed later)."""
+    tree: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV or name.startswith(TEST_ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX):].lower().split(ENV_NESTED)
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"environment variable {name} conflicts with another DDILOCO_ variable")
+        node[path[-1]] = _parse_env_value(value)
+    return tree
+
+
+def _parse_env_value(value: str) -> Any:
+    """Environment values are strings; JSON-looking ones (lists, numbers, booleans) are decoded."""
+    text = value.strip()
+    if text[:1] in "[{" or text in ("true", "false", "null"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any], source: str, origin: dict[str, str], prefix: str = "") -> None:
+    for key, value in top.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value, source, origin, dotted + ".")
+        else:
+            base[key] = value
+            if isinstance(value, dict):
+                for leaf in _leaves(value, dotted + "."):
+                    origin[leaf] = source
+            else:
+                origin[dotted] = source
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def _describe(err: ValidationError, origin: dict[str, str]) -> str:
+    lines = ["invalid configuration:"]
+    for e in err.errors():
+        dotted = ".".join(str(p) for p in e["loc"])
+        where = origin.get(dotted, "default")
+        if e["type"] == "extra_forbidden":
+            hint = "unknown key; check the spelling ('ddiloco-geo config --show' lists every key)"
+        else:
+            hint = e["msg"]
+        env = ENV_PREFIX + ENV_NESTED.join(str(p).upper() for p in e["loc"])
+        lines.append(f"  {dotted} (from {where}; env {env}): {hint}")
+    return "\n".join(lines)
+
+
+def load(
+    cli: dict[str, Any] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+    environ: dict[str, str] | None = None,
+) -> tuple[Settings, dict[str, str]]:
+    """Resolve the settings tree and the origin of every non-default value.
+
+    ``cli`` is a nested dict of values given on the command line (None entries are ignored).
+    ``environ`` defaults to ``os.environ``; tests pass their own.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    config_file = config_file or environ.get(CONFIG_FILE_ENV)
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if config_file:
+        path = Path(config_file)
+        try:
+            text = path.read_text()
+            # a .json settings file (what `local` hands its children) is read as JSON, else TOML
+            file_tree = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found; pass an existing TOML file or drop --config") from None
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid TOML/JSON: {exc}") from None
+        _merge(merged, file_tree, "file", origin)
+    _merge(merged, _env_tree(environ), "env", origin)
+    _merge(merged, _drop_none(cli or {}), "cli", origin)
+    try:
+        # init kwargs only: the environment was already folded in above, with provenance.
+        settings = Settings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, origin)) from None
+    return settings, origin
+
+
+def _drop_none(tree: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            sub = _drop_none(value)
+            if sub:
+                out[key] = sub
+        elif value is not None:
+            out[key] = value
+    return out
+
+
+def explain(settings: Settings, origin: dict[str, str]) -> list[dict[str, Any]]:
+    """Rows of (key, value, source) for every leaf of the tree, for ``config --show``."""
+    rows = []
+    for dotted in _leaves(settings.model_dump()):
+        node: Any = settings.model_dump()
+        for part in dotted.split("."):
+            node = node[part]
+        rows.append({"key": dotted, "value": node, "source": origin.get(dotted, "default")})
+    return rows

@@ -1,0 +1,177 @@
+"""Balanced Tensor Fragmentation (paper §4.8) and the per-fragment sync schedule (§5.6).
+
+``plan_fragments`` splits a model's tensors into P fragments of similar size, whole tensors only,
+with Graham's LPT greedy: tensors in order of numel descending (ties: name ascending), each into the
+fragment with the smallest running total (ties: lowest fragment index; a fragment that is still
+empty comes first among equals, so zero-size tensors cannot leave one empty). P = min(requested,
+number of tensors). The largest fragment, which sets peak bandwidth, is at most (4/3 - 1/(3P))
+of the optimum. The plan depends only on names and shapes (never on dict order or the hash seed),
+so every learner and the syncer derive the same one; its ``digest`` goes into ``run.json`` and a
+learner refuses a run whose plan differs.
+
+``Schedule``: fragment p is due at inner step t (t counts from 1) when (t - offset_p) mod H == 0.
+Offsets default to ``(p * H) // P``: with P == H exactly one fragment is due per step; with P < H
+some steps have none; with P > H some have several. Each fragment is due exactly once every H steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddiloco_geo.core.errors import CodecError
+
+PLAN_FORMAT = 1
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class FragmentPlan:
+    fragments: tuple[tuple[str, ...], ...]  # tensor names per fragment, each sorted by name
+    shapes: dict[str, tuple[int, ...]] = field(hash=False)  # every tensor's shape
+    _index: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", _validate(self.fragments, self.shapes))
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.fragments)
+
+    def numel(self, p: int) -> int:
+        return sum(_numel(self.shapes[name]) for name in self.fragments[p])
+
+    def fragment_of(self, name: str) -> int:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is in no fragment of this plan") from None
+
+    def expect(self, p: int) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of fragment p, as ``codec.decode(expect=...)`` takes it."""
+        return {name: self.shapes[name] for name in self.fragments[p]}
+
+    def to_json(self) -> str:
+        doc = {
+            "format": PLAN_FORMAT,
+            "fragments": [list(f) for f in self.fragments],
+            "shapes": {name: list(shape) for name, shape in self.shapes.items()},
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> FragmentPlan:
+        try:
+            doc = json.loads(text)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise CodecError("bad_plan", f"fragment plan is not JSON: {exc}"[:300]) from None
+        if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+            raise CodecError("bad_plan", f"expected a JSON object with format {PLAN_FORMAT}")
+        fragments, shapes = doc.get("fragments"), doc.get("shapes")
+        if not isinstance(fragments, list) or not all(isinstance(f, list) for f in fragments):
+            raise CodecError("bad_plan", "'fragments' must be a list of lists of tensor names")
+        if not isinstance(shapes, dict) or not all(
+            isinstance(s, list) and all(type(d) is int for d in s) for s in shapes.values()
+        ):
+            raise CodecError("bad_plan", "'shapes' must map tensor names to lists of integers")
+        try:
+            return cls(tuple(tuple(f) for f in fragments), {n: tuple(s) for n, s in shapes.items()})
+        except ValueError as exc:
+            raise CodecError("bad_plan", str(exc)) from None
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def _validate(fragments: Any, shapes: Any) -> dict[str, int]:
+    """Name -> fragment index; ValueError unless every tensor is in exactly one non-empty,
+    name-sorted fragment and has a non-negative shape."""
+    if not isinstance(fragments, tuple) or not fragments:
+        raise ValueError("a fragment plan needs at least one fragment")
+    if not isinstance(shapes, dict):
+        raise ValueError("shapes must be a dict of name -> shape")
+    for name, shape in shapes.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor name {name!r}: expected a non-empty string")
+        if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {shape!r} is not a tuple of integers >= 0")
+    index: dict[str, int] = {}
+    for p, names in enumerate(fragments):
+        if not isinstance(names, tuple) or not names:
+            raise ValueError(f"fragment {p} is empty")
+        if list(names) != sorted(names):
+            raise ValueError(f"fragment {p}: tensor names must be sorted")
+        for name in names:
+            if name in index:
+                raise ValueError(f"tensor {name!r} is in fragments {index[name]} and {p}")
+            if name not in shapes:
+                raise ValueError(f"tensor {name!r} (fragment {p}) has no shape")
+            index[name] = p
+    if missing := sorted(set(shapes) - set(index)):
+        raise ValueError(f"tensors in no fragment: {missing[:5]}")
+    return index
+
+
+def plan_fragments(shapes: Mapping[str, tuple[int, ...]], num_fragments: int) -> FragmentPlan:
+    """LPT bin-packing of whole tensors into min(num_fragments, len(shapes)) fragments."""
+    if type(num_fragments) is not int or num_fragments < 1:
+        raise ValueError(f"num_fragments {num_fragments!r}: expected an integer >= 1")
+    if not shapes:
+        raise ValueError("cannot fragment a model with no tensors")
+    shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
+    num = min(num_fragments, len(shapes))
+    order = sorted(shapes, key=lambda name: (-_numel(shapes[name]), name))
+    # Heap key (total, has_tensors, index): lightest first, empty before non-empty, lowest index.
+    heap = [(0, False, p) for p in range(num)]
+    members: list[list[str]] = [[] for _ in range(num)]
+    for name in order:
+        total, _, p = heapq.heappop(heap)
+        members[p].append(name)
+        heapq.heappush(heap, (total + _numel(shapes[name]), True, p))
+    return FragmentPlan(tuple(tuple(sorted(m)) for m in members), dict(sorted(shapes.items())))
+
+
+class Schedule:
+    """Which fragments are due at an inner step: (step - offset_p) % H == 0, step >= 1."""
+
+    def __init__(self, num_fragments: int, sync_every: int, offsets: list[int] | None = None) -> None:
+        if type(num_fragments) is not int or num_fragments < 1:
+            raise ValueError(f"num_fragments {num_fragments!r}: expected an integer >= 1")
+        if type(sync_every) is not int or sync_every < 1:
+            raise ValueError(f"sync_every (H) {sync_every!r}: expected an integer >= 1")
+        if offsets is None:
+            offsets = [(p * sync_every) // num_fragments for p in range(num_fragments)]
+        offsets = list(offsets)
+        if len(offsets) != num_fragments or not all(
+            type(o) is int and 0 <= o < sync_every for o in offsets
+        ):
+            raise ValueError(
+                f"offsets {offsets!r}: expected {num_fragments} integers in [0, {sync_every})"
+            )
+        self.num_fragments = num_fragments
+        self.sync_every = sync_every
+        self._offsets = tuple(offsets)
+        self._by_residue: dict[int, list[int]] = {}
+        for p, o in enumerate(offsets):
+            self._by_residue.setdefault(o, []).append(p)
+
+    def offset(self, p: int) -> int:
+        return self._offsets[p]
+
+    def due(self, step: int) -> list[int]:
+        if step < 1:
+            return []
+        return list(self._by_residue.get(step % self.sync_every, ()))
+
+    def __repr__(self) -> str:
+        return f"Schedule(num_fragments={self.num_fragments}, sync_every={self.sync_every}, offsets={list(self._offsets)})"

@@ -1,0 +1,102 @@
+"""The outer optimizer: SGD with (Nesterov) momentum on one fragment's global parameters.
+
+Decoupled DiLoCo keeps one outer-optimizer state per fragment, in fp32, on the syncer
+(PAPER-NOTES.md §4.3 step 7 and §5 items 1-2). With ``pseudo_grad = global - local`` (merged
+across learners by :mod:`ddiloco_geo.core.merge`)::
+
+    buf    <- momentum * buf + pseudo_grad
+    global <- global - lr * (pseudo_grad + momentum * buf)     # nesterov=True
+    global <- global - lr * buf                                # nesterov=False
+
+This is exactly ``torch.optim.SGD(lr, momentum, nesterov, dampening=0)`` fed ``pseudo_grad`` as the
+gradient (pinned by a test). The sign matters: ``pseudo_grad`` points from the learners to the
+global, so the descent step moves the global toward the learners. Defaults are DiLoCo's
+(lr 0.7, momentum 0.9); the Decoupled DiLoCo paper publishes none.
+
+``step`` never mutates its inputs; the momentum buffers start at zero and are created on the
+first step (or from ``shapes``). ``state_dict`` holds ``momentum.<name>`` fp32 tensors and a
+``num_steps`` int64 scalar.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MOMENTUM_PREFIX = "momentum."
+NUM_STEPS_KEY = "num_steps"
+
+
+class OuterOptimizer:
+    def __init__(
+        self,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        shapes: dict[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"outer lr={lr} must be a positive number")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"outer momentum={momentum} must be in [0, 1)")
+        self.lr, self.momentum, self.nesterov = float(lr), float(momentum), bool(nesterov)
+        self.num_steps = 0
+        self._bufs: dict[str, torch.Tensor] | None = None
+        if shapes is not None:
+            self._bufs = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in shapes.items()}
+
+    def _check_names(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+        assert self._bufs is not None
+        if set(tensors) != set(self._bufs):
+            raise ValueError(f"{what} has tensors {sorted(tensors)}, the optimizer state has {sorted(self._bufs)}")
+        for name, t in tensors.items():
+            if tuple(t.shape) != tuple(self._bufs[name].shape):
+                raise ValueError(f"{what}: {name} has shape {tuple(t.shape)}, expected {tuple(self._bufs[name].shape)}")
+
+    def step(self, params: dict[str, torch.Tensor], pseudo_grad: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """New fp32 global parameters after one outer step; inputs are left unchanged."""
+        if set(params) != set(pseudo_grad):
+            raise ValueError(f"params {sorted(params)} and pseudo_grad {sorted(pseudo_grad)} name different tensors")
+        for name in params:
+            if params[name].shape != pseudo_grad[name].shape:
+                raise ValueError(f"{name}: params shape {tuple(params[name].shape)} != pseudo_grad shape {tuple(pseudo_grad[name].shape)}")
+        if self._bufs is None:
+            self._bufs = {name: torch.zeros(p.shape, dtype=torch.float32) for name, p in params.items()}
+        self._check_names(params, "params")
+        new_params = {}
+        for name, p in params.items():
+            delta = pseudo_grad[name].detach().to("cpu", torch.float32)
+            buf = self._bufs[name]
+            buf.mul_(self.momentum).add_(delta)
+            update = delta.add(buf, alpha=self.momentum) if self.nesterov else buf
+            new_params[name] = p.detach().to("cpu", torch.float32, copy=True).add_(update, alpha=-self.lr)
+        self.num_steps += 1
+        return new_params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {MOMENTUM_PREFIX + name: buf.clone() for name, buf in (self._bufs or {}).items()}
+        state[NUM_STEPS_KEY] = torch.tensor(self.num_steps, dtype=torch.int64)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore buffers and the step count; names and shapes must match any existing state."""
+        if NUM_STEPS_KEY not in state:
+            raise ValueError(f"outer optimizer state lacks {NUM_STEPS_KEY!r}")
+        unknown = [k for k in state if k != NUM_STEPS_KEY and not k.startswith(MOMENTUM_PREFIX)]
+        if unknown:
+            raise ValueError(f"outer optimizer state has unknown keys {unknown}")
+        bufs = {k[len(MOMENTUM_PREFIX):]: v.detach().to("cpu", torch.float32, copy=True) for k, v in state.items() if k != NUM_STEPS_KEY}
+        num_steps = int(state[NUM_STEPS_KEY])
+        if num_steps < 0:
+            raise ValueError(f"num_steps={num_steps} must be >= 0")
+        if any(not torch.isfinite(b).all() for b in bufs.values()):
+            raise ValueError("outer optimizer state has non-finite momentum")
+        if not bufs and num_steps == 0:  # a fresh optimizer's state: back to zero momentum
+            for buf in (self._bufs or {}).values():
+                buf.zero_()
+        else:
+            if self._bufs is not None:
+                self._check_names(bufs, "loaded state")
+            self._bufs = bufs
+        self.num_steps = num_steps

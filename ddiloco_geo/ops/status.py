@@ -1,0 +1,180 @@
+"""``ddiloco-geo status``: a view of a run built from the bucket alone (never writes to it).
+
+:func:`collect` reads every learner's heartbeat and exit record, the globals index and the syncer
+status objects, and returns one JSON-able dict. :class:`LiveView` renders it with rich (on a
+terminal) or as periodic plain log lines; ``ddiloco-geo local`` uses it for its live view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from ddiloco_geo.core import layout
+
+from ddiloco_geo import protocol
+from ddiloco_geo.core.errors import NotFoundError, StorageError
+from ddiloco_geo.core.signing import verify_record
+from ddiloco_geo.storage import Store
+
+log = logging.getLogger(__name__)
+
+SILENT_AFTER_S = 30.0
+
+
+def _json_or_none(store: Store, key: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(store.get(key))
+    except (NotFoundError, ValueError):
+        return None
+
+
+def collect(store: Store, egress_usd_per_gb: float = 0.02, verifier=None) -> dict[str, Any]:
+    """Everything the bucket says about the run; with ``verifier`` (the run secret is configured),
+    each learner's heartbeat is checked against its signature (``signed``: true/false/null)."""
+    now = time.time()
+    learners = []
+    quarantined = {k.rsplit("/", 1)[-1][: -len(".json")] for k in store.list(layout.SYNCER + "quarantine/")}
+    for prefix in store.list_prefixes(layout.LEARNERS):
+        name = prefix[len(layout.LEARNERS):].strip("/")
+        if not layout.ID_PATTERN.match(name):
+            continue
+        hb = _json_or_none(store, layout.heartbeat_key(name)) or {}
+        ex = _json_or_none(store, layout.exit_key(name))
+        age = now - float(hb.get("time", 0)) if hb else None
+        state = "exited" if ex else ("alive" if age is not None and age < SILENT_AFTER_S else "silent")
+        learners.append({
+            "learner": name, "region": hb.get("region"), "state": state, "last_seen_s": age,
+            "step": hb.get("step"), "tokens": hb.get("tokens"), "tokens_per_s": hb.get("tokens_per_s"),
+            "loss": hb.get("loss"), "deltas_sent": (hb.get("uploads") or {}).get("deltas_sent"),
+            "upload_queue": hb.get("upload_queue"), "quarantined": name in quarantined,
+            "signed": None if verifier is None or not hb else verify_record(hb, verifier, f"learner:{name}"),
+            "bytes_up": int(((ex or hb).get("storage") or {}).get("bytes_up", 0)),
+            "bytes_down": int(((ex or hb).get("storage") or {}).get("bytes_down", 0)),
+            "rejected": len(store.list(f"{layout.SYNCER}rejected/{name}/")),
+        })
+    index, _ = protocol.read_index(store)
+    syncers = []
+    for key in store.list(layout.SYNCER + "status/"):
+        st = _json_or_none(store, key)
+        if st:
+            st["age_s"] = now - float(st.get("time", now))
+            syncers.append({k: st.get(k) for k in ("shard", "age_s", "versions", "pending", "counters",
+                                                   "ema_step_s", "ema_sync_s", "last_merge", "draining",
+                                                   "quarantined")})
+    moved = sum(l["bytes_up"] + l["bytes_down"] for l in learners)
+    totals = {"tokens": sum(l["tokens"] or 0 for l in learners), "learner_bytes": moved,
+              "egress_usd_per_gb": egress_usd_per_gb,
+              # learners sit in other regions than the bucket: their traffic is what crosses regions
+              "estimated_egress_usd": moved / 1e9 * egress_usd_per_gb}
+    return {"time": now, "url": store.url, "learners": learners, "versions": {str(p): v for p, v in sorted(index.items())},
+            "syncers": syncers, "totals": totals}
+
+
+def render(snapshot: dict[str, Any], global_evals: list[dict[str, float]] | None = None):
+    from rich.table import Table
+
+    table = Table(title=f"ddiloco-geo {snapshot['url']}", expand=False)
+    for col in ("learner", "region", "state", "step", "loss", "tok/s", "deltas", "queue", "rejected"):
+        table.add_column(col)
+    for l in snapshot["learners"]:
+        table.add_row(
+            l["learner"], str(l["region"] or "-"), l["state"], str(l["step"] or 0),
+            f"{l['loss']:.3f}" if isinstance(l["loss"], (int, float)) else "-",
+            f"{l['tokens_per_s']:.0f}" if isinstance(l["tokens_per_s"], (int, float)) else "-",
+            str(l["deltas_sent"] or 0), str(l["upload_queue"] or 0),
+            f"{l['rejected']}" + (" QUARANTINED" if l["quarantined"] else ""),
+        )
+    versions = snapshot["versions"]
+    caption = f"fragments={len(versions)} versions published={sum(versions.values())}"
+    for s in snapshot["syncers"]:
+        c = s.get("counters") or {}
+        caption += (f" | syncer {s['shard']}: merged={c.get('deltas_merged', 0)} rejected={c.get('deltas_rejected', 0)}"
+                    f" merges={c.get('merges', 0)}")
+    if global_evals:
+        caption += f" | global eval loss={global_evals[-1]['loss']:.3f}"
+    t = snapshot.get("totals") or {}
+    if t:
+        caption += (f"\ntokens={t['tokens']:,} learner traffic={t['learner_bytes'] / 2**20:.1f} MiB "
+                    f"est. egress=${t['estimated_egress_usd']:.4f} at ${t['egress_usd_per_gb']}/GB")
+    table.caption = caption
+    return table
+
+
+class LiveView:
+    """Context manager: a rich Live table on a terminal, else a plain line every few seconds."""
+
+    def __init__(self, store: Store, *, live: bool = True, plain_every_s: float = 5.0) -> None:
+        self.store = store
+        self.live = live and sys.stderr.isatty()
+        self.plain_every_s = plain_every_s
+        self._last_plain = 0.0
+        self._live = None
+
+    def __enter__(self) -> "LiveView":
+        if self.live:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(stderr=True), refresh_per_second=2, transient=False)
+            self._live.__enter__()
+        return self
+
+    def refresh(self, global_evals: list[dict[str, float]] | None = None) -> None:
+        try:
+            snap = collect(self.store)
+        except StorageError as exc:
+            log.debug("status_unavailable error=%s", exc)
+            return
+        if self._live is not None:
+            self._live.update(render(snap, global_evals))
+        elif time.monotonic() - self._last_plain > self.plain_every_s:
+            self._last_plain = time.monotonic()
+            parts = [f"{l['learner']}:step={l['step'] or 0},loss={l['loss'] if l['loss'] is None else round(l['loss'], 3)}"
+                     for l in snap["learners"]]
+            log.info("progress versions=%d %s", sum(snap["versions"].values()), " ".join(parts))
+
+    def __exit__(self, *exc) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", nargs="?", help="the run's --store URL")
+    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    p.add_argument("--egress-usd-per-gb", type=float, default=0.02, help="price of cross-region traffic for the estimate")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddiloco_geo.cli.main import settings_from
+    from ddiloco_geo.storage import open_store
+
+    settings, _ = settings_from(args, {"storage.url": args.url})
+    store = open_store(settings.storage)
+    verifier = None
+    if settings.security.run_secret is not None:
+        from ddiloco_geo.core.signing import run_verifier
+
+        verifier = run_verifier(settings.security.run_secret.get_secret_value())
+    try:
+        if args.json:
+            print(json.dumps(collect(store, args.egress_usd_per_gb, verifier), indent=1, default=str))
+            return 0
+        from rich.console import Console
+
+        console = Console()
+        if not args.watch:
+            console.print(render(collect(store, args.egress_usd_per_gb, verifier)))
+            return 0
+        with LiveView(store, live=True) as view:
+            while True:
+                view.refresh()
+                time.sleep(2)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        store.close()

@@ -1,0 +1,110 @@
+"""``ddiloco-geo bench overhead``: what syncing costs a learner, on loopback and over a slow link.
+
+The product's central claim is that a learner step never waits on the network. This benchmark
+runs, as real processes against a real S3 server (moto on 127.0.0.1, started here) with a syncer
+process running throughout, one learner at a time:
+
+1. ``off``: the same learner with syncing disabled (after the first pull: no deltas, no polling);
+2. ``loopback``: syncing on, the learner talks to the S3 server directly;
+3. ``wan``: syncing on, the learner's storage traffic goes through the WAN emulator
+   (``ddiloco-geo wan-proxy``; default 100 ms round trip, 20 Mbit/s, as between continents);
+4. ``off`` again, so the baseline brackets the measured runs (machine noise shows as the spread).
+
+Throughput is the learner's own tokens/s from joining until it stopped stepping (its
+``exit.json``; the exit path, i.e. the final flush and the checkpoint, is reported as ``flush_s``). The figures of merit
+are ``loopback.ratio`` and ``wan.ratio`` = tokens/s with syncing / mean tokens/s without (goal
+≥ 0.95). On a 2-core machine the syncer and the S3 server share the cores with the learner, in
+every phase alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="small", help="built-in model size (default small, ~11M parameters)")
+    p.add_argument("--steps", type=int, default=72, help="inner steps per phase")
+    p.add_argument("--delay-ms", type=float, default=50.0, help="one-way delay of the emulated link")
+    p.add_argument("--rate-mbit", type=float, default=20.0, help="bandwidth of the emulated link")
+    p.add_argument("--max-bytes", type=int, default=2_000_000)
+
+
+def _learner(common: list[str], name: str, endpoint: str, steps: int, sync: bool) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "ddiloco_geo", "learner", *common, "--id", name, "--json",
+           "--set", f"storage.endpoint_url={endpoint}", "--set", f"learner.max_steps={steps}",
+           "--set", f"learner.sync_enabled={'true' if sync else 'false'}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"learner {name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        raise SystemExit("bench overhead needs the S3 test server: pip install 'ddiloco-geo[test]'") from None
+    import boto3
+
+    from ddiloco_geo.tools.wanproxy import WanProxyThread
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(name, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    bucket = f"bench-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    common = ["--store", f"s3://{bucket}/run", "--set", f"model.name={args.model}",
+              "--set", f"data.max_bytes={args.max_bytes}", "--set", "storage.region=us-east-1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    syncer = subprocess.Popen([sys.executable, "-m", "ddiloco_geo", "syncer", *common,
+                               "--set", f"storage.endpoint_url={endpoint}"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    phases: dict[str, list[dict[str, Any]]] = {"off": [], "loopback": [], "wan": []}
+    try:
+        with WanProxyThread("127.0.0.1", port, delay_s=args.delay_ms / 1000,
+                            rate_bps=args.rate_mbit * 1e6) as proxy:
+            plan = [("off", endpoint, False), ("loopback", endpoint, True), ("wan", proxy.url, True),
+                    ("off", endpoint, False)]
+            for i, (phase, url, sync) in enumerate(plan):
+                print(f"bench overhead: phase {i + 1}/{len(plan)} {phase} ({args.steps} steps, model {args.model})",
+                      file=sys.stderr)
+                res = _learner(common, f"bench-{phase}-{i}", url, args.steps, sync)
+                phases[phase].append(res)
+                print(f"bench overhead: {phase} tokens/s {res['tokens_per_s']:.0f}", file=sys.stderr)
+            wan_stats = proxy.proxy.stats()
+    finally:
+        syncer.terminate()
+        syncer.wait(timeout=120)
+        server.stop()
+    off = [r["tokens_per_s"] for r in phases["off"]]
+    base = sum(off) / len(off)
+
+    def summary(r: dict[str, Any]) -> dict[str, Any]:
+        return {"tokens_per_s": r["tokens_per_s"], "ratio": r["tokens_per_s"] / base,
+                "deltas_sent": r["uploads"]["deltas_sent"], "upload_queue_at_exit": r["upload_queue"],
+                "globals_adopted": r["poller"].get("updates_applied", 0) + r["poller"].get("globals_fetched", 0),
+                "bytes_up": r["storage"]["bytes_up"], "bytes_down": r["storage"]["bytes_down"],
+                "flush_s": r.get("flush_s")}
+
+    out = {
+        "model": args.model, "steps": args.steps, "link": {"delay_ms_one_way": args.delay_ms, "rate_mbit": args.rate_mbit},
+        "off_tokens_per_s": off, "baseline_tokens_per_s": base,
+        "baseline_spread_ratio": (max(off) - min(off)) / base,
+        "loopback": summary(phases["loopback"][0]), "wan": summary(phases["wan"][0]),
+        "goal_ratio": 0.95, "proxy": wan_stats,
+    }
+    print(json.dumps(out, indent=1) if args.json else
+          f"loopback {out['loopback']['ratio']:.3f}  wan {out['wan']['ratio']:.3f}  (baseline spread {out['baseline_spread_ratio']:.3f})")
+    return 0

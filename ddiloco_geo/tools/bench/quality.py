@@ -1,0 +1,158 @@
+"""``ddiloco-geo bench quality``: Decoupled DiLoCo against data-parallel on the same tokens.
+
+Trains the same model from the same initial weights on exactly the same tokens:
+
+- **dp**: plain data-parallel, one AdamW step per global batch (the concatenation of the M
+  learners' batches, read by the same shard readers the learners use);
+- **Decoupled DiLoCo** with M learners on the in-process harness (`ddiloco_geo.tools.inprocess`: the real
+  learner and syncer code over a memory:// store, on simulated time), int4 on the wire, in three
+  variants so the benefit of each mechanism is visible: K=1 with the grace window (the product's
+  default), K=1 without it, and K=M (lock-step).
+
+Learners are heterogeneous as in the paper's hardware experiment: half at full speed, half 18%
+slower, all with 10% step-time jitter (simulated time, seeded). The global model (the outer
+parameters) is evaluated on the held-out slice; the figure of merit is
+``loss_ratio = ddiloco_eval_loss / dp_eval_loss`` (goal ≤ 1.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="built-in model size (default tiny, ~0.9M parameters)")
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300, help="inner steps per learner (= dp steps)")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes read")
+    p.add_argument("--variants", default="k1_grace,k1,kM",
+                   help="comma list of k1_grace, k1, kM, k1_grace_trimmed, k1_grace_median (robust merge modes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], dest="overrides", help="extra settings KEY=VALUE")
+
+
+def _settings(args: argparse.Namespace, **extra: Any):
+    from ddiloco_geo.cli.main import cli_overrides
+    from ddiloco_geo.core import config
+
+    flat = {"model.name": args.model, "learner.max_steps": args.steps, "data.max_bytes": args.max_bytes,
+            "data.eval_batches": 16, "learner.log_every": 50, "local.learners": args.learners, **extra}
+    tree = cli_overrides(argparse.Namespace(overrides=args.overrides, store=None), flat)
+    settings, _ = config.load(cli=tree)
+    return settings
+
+
+def train_dp(settings, num_learners: int) -> float:
+    """Data-parallel baseline: one step per global batch of all learners' batches."""
+    import torch
+
+    from ddiloco_geo.core import data as datamod
+
+    from ddiloco_geo.core import model as modelmod
+    from ddiloco_geo.learner import lr_schedule
+
+    cfg = settings.learner
+    model = modelmod.build_model(settings.model)
+    corpus = datamod.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
+    train, eval_data = datamod.split(corpus, settings.data.eval_ratio)
+    readers = [datamod.ShardReader(train, shard=i, num_shards=num_learners, block_size=settings.model.block_size,
+                                   batch_size=cfg.batch_size, seed=settings.model.seed + i)
+               for i in range(num_learners)]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    for step in range(cfg.max_steps):
+        batches = [r.next_batch() for r in readers]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        for group in opt.param_groups:
+            group["lr"] = lr_schedule(step, cfg.lr, cfg.warmup_steps, cfg.max_steps)
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0:
+            print(f"bench quality: dp step {step}/{cfg.max_steps} loss {loss.item():.3f}", file=sys.stderr)
+    batches = datamod.eval_batches(eval_data, settings.model.block_size, cfg.batch_size, settings.data.eval_batches)
+    return datamod.evaluate(model, batches)
+
+
+def train_ddiloco(settings, num_learners: int, seed: int) -> dict[str, Any]:
+    from ddiloco_geo.core import data as datamod
+    from ddiloco_geo.core import model as modelmod
+    from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
+
+    speeds = [LearnerSpeed(1.0 if i % 2 == 0 else 1.18, 0.10) for i in range(num_learners)]
+    run = InProcessRun(settings, speeds, seed=seed)
+    try:
+        status = run.run()
+        model = modelmod.build_model(settings.model)
+        modelmod.set_tensors(model, run.global_params())
+        corpus = datamod.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
+        _, eval_data = datamod.split(corpus, settings.data.eval_ratio)
+        batches = datamod.eval_batches(eval_data, settings.model.block_size, settings.learner.batch_size,
+                                       settings.data.eval_batches)
+        c = status["counters"]
+        return {
+            "eval_loss": datamod.evaluate(model, batches),
+            "merges": c["merges"], "mean_contributors": c["contributors_total"] / max(1, c["merges"]),
+            "deltas_merged": c["deltas_merged"], "deltas_rejected": c["deltas_rejected"],
+            "simulated_s": run.now,
+        }
+    finally:
+        run.close()
+
+
+VARIANTS = {
+    "k1_grace": lambda m: {"syncer.quorum": 1, "syncer.grace_gamma": 0.5},
+    "k1": lambda m: {"syncer.quorum": 1, "syncer.grace_gamma": 0.0},
+    "kM": lambda m: {"syncer.quorum": m, "syncer.grace_gamma": 0.0},
+    "k1_grace_trimmed": lambda m: {"syncer.quorum": 1, "syncer.grace_gamma": 0.5, "syncer.robust": "trimmed_mean"},
+    "k1_grace_median": lambda m: {"syncer.quorum": 1, "syncer.grace_gamma": 0.5, "syncer.robust": "median"},
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.manual_seed(args.seed)
+    M = args.learners
+    base = _settings(args)
+    t0 = time.perf_counter()
+    print(f"bench quality: data-parallel baseline, {args.steps} steps x {M} batches", file=sys.stderr)
+    dp_loss = train_dp(base, M)
+    dp_s = time.perf_counter() - t0
+    results = []
+    for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
+        print(f"bench quality: Decoupled DiLoCo variant {name}, M={M}", file=sys.stderr)
+        t1 = time.perf_counter()
+        res = train_ddiloco(_settings(args, **VARIANTS[name](M)), M, args.seed)
+        res.update({"variant": name, "loss_ratio": res["eval_loss"] / dp_loss, "wall_s": time.perf_counter() - t1})
+        results.append(res)
+        print(f"bench quality: {name} eval_loss={res['eval_loss']:.4f} ratio={res['loss_ratio']:.4f} "
+              f"contributors/merge={res['mean_contributors']:.2f}", file=sys.stderr)
+    main = next((r for r in results if r["variant"] == "k1_grace"), results[0] if results else None)
+    out = {
+        "model": args.model, "learners": M, "steps_per_learner": args.steps,
+        "tokens_total": args.steps * M * base.learner.batch_size * base.model.block_size,
+        "codec": base.learner.codec, "dp_eval_loss": dp_loss, "dp_wall_s": dp_s,
+        "ddiloco_eval_loss": main["eval_loss"] if main else None,
+        "loss_ratio": main["loss_ratio"] if main else None,
+        "goal_loss_ratio": 1.02, "variants": results,
+    }
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for r in results:
+            print(f"{r['variant']:>9}: eval {r['eval_loss']:.4f}  ratio {r['loss_ratio']:.4f}  "
+                  f"contributors/merge {r['mean_contributors']:.2f}")
+        print(f"{'dp':>9}: eval {dp_loss:.4f}")
+    return 0
