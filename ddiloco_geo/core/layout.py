@@ -201,9 +201,30 @@ def rejected_key(learner: str, seq: int, fragment: int) -> str:
     )
 
 
+QUARANTINE = f"{SYNCER}quarantine/"
+
+
 def quarantine_key(learner: str) -> str:
     """Present while a learner is quarantined; an operator lifts it by deleting the object."""
-    return f"{SYNCER}quarantine/{check_id(learner, 'learner id')}.json"
+    return f"{QUARANTINE}{check_id(learner, 'learner id')}.json"
+
+
+def parse_quarantine_key(key: str) -> str:
+    """The learner id a quarantine record names; LayoutError for anything else."""
+    if key.startswith(QUARANTINE) and key.endswith(".json"):
+        learner = key[len(QUARANTINE):-len(".json")]
+        if ID_PATTERN.match(learner):
+            return learner
+    raise LayoutError(f"not a quarantine record key: {key!r}")
+
+
+def parse_learner_prefix(prefix: str) -> str:
+    """The learner id of a ``learners/<id>/`` listing prefix; LayoutError if it is not a valid id."""
+    if prefix.startswith(LEARNERS):
+        learner = prefix[len(LEARNERS):].strip("/")
+        if ID_PATTERN.match(learner):
+            return learner
+    raise LayoutError(f"not a learner prefix: {prefix!r}")
 
 
 def syncer_status_key(shard: int, num_shards: int) -> str:

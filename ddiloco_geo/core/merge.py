@@ -170,3 +170,9 @@ def merge_fragment(
         else:
             out[name] = weighted_mean(vectors, ws) if is_embedding(name) else rda(vectors, ws)
     return out
+
+
+def anchor(current: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
+           pseudo_grad: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Δ = Θ_current − θ_learner with θ_learner = Θ_base − pseudo_grad (Appendix D.2 anchoring)."""
+    return {n: (current[n] - base[n]) + pseudo_grad[n] for n in current}

@@ -21,8 +21,11 @@ first step (or from ``shapes``). ``state_dict`` holds ``momentum.<name>`` fp32 t
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
+
+from ddiloco_geo.core import merge
 
 MOMENTUM_PREFIX = "momentum."
 NUM_STEPS_KEY = "num_steps"
@@ -100,3 +103,15 @@ class OuterOptimizer:
                 self._check_names(bufs, "loaded state")
             self._bufs = bufs
         self.num_steps = num_steps
+
+
+def merge_and_step(params: dict[str, torch.Tensor], outer: OuterOptimizer, anchored: list[dict[str, torch.Tensor]],
+                   weights: list[float], is_embedding: Callable[[str], bool],
+                   outer_kwargs: dict[str, Any], robust: str = "none",
+                   trim_ratio: float = 0.25) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
+    """Token-weighted RDA (mean for embeddings), or a robust average; then one outer Nesterov step
+    on a copy of ``outer``."""
+    delta = merge.merge_fragment(anchored, weights, is_embedding, robust=robust, trim_ratio=trim_ratio)
+    stepped = OuterOptimizer(**outer_kwargs)
+    stepped.load_state_dict(outer.state_dict())
+    return stepped.step(params, delta), stepped

@@ -316,9 +316,7 @@ class Learner:
 
     def join(self) -> None:
         """The only wait: for the run spec and a first version of every fragment."""
-        from ddiloco_geo.syncer import build_spec
-
-        local_spec, _ = build_spec(self.settings)
+        local_spec, _ = protocol.build_spec(self.settings)
         if self.rank == 0:
             spec = protocol.wait_for_spec(self.store, self.cfg.join_timeout_s)
             if spec.plan.digest() != local_spec.plan.digest():
@@ -361,7 +359,7 @@ class Learner:
         if self.world > 1:
             self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
         if self.rank == 0:
-            first_seq = _next_seq(self.store, self.learner_id)
+            first_seq = protocol.next_delta_seq(self.store, self.learner_id)
             self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
                                      codec_name=self.spec.codec, block_size=self.spec.block_size, first_seq=first_seq,
                                      inline=self.inline_io, metrics=self.metrics, signer=self.signer)
@@ -749,17 +747,6 @@ def _shard_index(shard: str) -> int:
     return int(shard.split("/")[0])
 
 
-def _next_seq(store: Store, learner: str) -> int:
-    existing = store.list(layout.deltas_dir(learner))
-    seqs = []
-    for key in existing:
-        try:
-            seqs.append(layout.parse_delta_key(key).seq)
-        except layout.LayoutError:
-            continue
-    return max(seqs) + 1 if seqs else 0
-
-
 # --- command line --------------------------------------------------------------------------------
 
 
@@ -772,7 +759,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco_geo.learner.preemption import PreemptionWatcher
-    from ddiloco_geo.cli.main import settings_from
+    from ddiloco_geo.cli.settings import settings_from
     from ddiloco_geo.metrics import export_store_stats, serve_from_config
     from ddiloco_geo.storage import open_store
 

@@ -4,8 +4,8 @@
 
 For every fragment p and every published version v (ascending), replay takes the objects the
 syncer itself had in hand when it published v and runs the syncer's own pure functions
-(:func:`ddiloco_geo.syncer.anchor`, :func:`~ddiloco_geo.syncer.merge_and_step`,
-:func:`~ddiloco_geo.syncer.compress_update`) on them:
+(:func:`ddiloco_geo.core.merge.anchor`, :func:`~ddiloco_geo.core.outer.merge_and_step`,
+:func:`~ddiloco_geo.protocol.publish.compress_update`) on them:
 
 * ``merge`` versions: global v−1 (params) and the state object it names (outer momentum, step
   count, the update codec's error-feedback residual); v's merge record (delta keys, base
@@ -70,7 +70,9 @@ from ddiloco_geo.core import merge
 from ddiloco_geo import protocol
 from ddiloco_geo.core.errors import CodecError, DdilocoError, NotFoundError
 from ddiloco_geo.core.outer import MOMENTUM_PREFIX, OuterOptimizer
-from ddiloco_geo.syncer import RESIDUAL, _outer_state_from_wire, anchor, compress_update, merge_and_step
+from ddiloco_geo.core.merge import anchor
+from ddiloco_geo.core.outer import merge_and_step
+from ddiloco_geo.protocol.publish import RESIDUAL, compress_update, outer_state_from_wire
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -252,7 +254,7 @@ class Replayer:
             weights.append(w)
         okw = {**self.outer_kwargs, **(rec.get("outer") or {})}
         outer = OuterOptimizer(**okw)
-        outer.load_state_dict(_outer_state_from_wire(state.momentum, state.header))
+        outer.load_state_dict(outer_state_from_wire(state.momentum, state.header))
         new_params, stepped = merge_and_step(params, outer, anchored, weights, self.is_embedding, okw,
                                              rec.get("robust", "none"), rec.get("trim_ratio", 0.25))
 
@@ -401,7 +403,7 @@ class _Progress:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from ddiloco_geo.cli.main import settings_from
+    from ddiloco_geo.cli.settings import settings_from
     from ddiloco_geo.storage import open_store
 
     settings, _ = settings_from(args)

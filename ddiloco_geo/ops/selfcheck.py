@@ -133,7 +133,7 @@ def _print_table(report: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco_geo.cli.main import settings_from
+    from ddiloco_geo.cli.settings import settings_from
     from ddiloco_geo.storage import open_store
 
     settings, _ = settings_from(args)

@@ -51,7 +51,7 @@ from ddiloco_geo import protocol
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.errors import CodecError, DdilocoError, NotFoundError
 from ddiloco_geo.storage import Store
-from ddiloco_geo.syncer import commit_version
+from ddiloco_geo.protocol.publish import commit_version
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _open(args: argparse.Namespace):
-    from ddiloco_geo.cli.main import settings_from
+    from ddiloco_geo.cli.settings import settings_from
     from ddiloco_geo.storage import open_store
 
     settings, _ = settings_from(args)

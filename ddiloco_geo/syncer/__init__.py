@@ -38,7 +38,6 @@ import asyncio
 import json
 import logging
 import os
-import secrets
 import signal
 import socket
 import statistics
@@ -59,7 +58,11 @@ from ddiloco_geo import protocol
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.errors import CodecError, ConfigError, DdilocoError, NotFoundError, StorageError
 from ddiloco_geo.metrics import Registry, export_store_stats, syncer_metrics
-from ddiloco_geo.core.outer import OuterOptimizer
+from ddiloco_geo.core.merge import anchor
+from ddiloco_geo.core.outer import OuterOptimizer, merge_and_step
+from ddiloco_geo.protocol.publish import (
+    RESIDUAL, commit_version, compress_update, outer_state_from_wire, outer_state_to_wire,
+)
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,6 @@ log = logging.getLogger(__name__)
 SYNCER_ACTOR = "syncer"
 HISTORY_VERSIONS = 4
 MAX_HEADER_BYTES = 2**20  # a delta's safetensors header: names, shapes, clock, counters
-RESIDUAL = "residual."  # state-object prefix of the update codec's error-feedback tensors  # in-memory globals kept for anchoring; older bases are read from the bucket
 
 
 @dataclass
@@ -229,7 +231,7 @@ class Syncer:
                 require_signature=self.require_signatures,
                 expected_signer="syncer" if self.verifier is not None else None)
             residual = {k[len(RESIDUAL):]: v for k, v in st_tensors.items() if k.startswith(RESIDUAL)}
-            outer.load_state_dict(_outer_state_from_wire(
+            outer.load_state_dict(outer_state_from_wire(
                 {k: v for k, v in st_tensors.items() if not k.startswith(RESIDUAL)}, st_header))
             consumed = {str(k): int(v) for k, v in st_header.extra.get("consumed", {}).items()}
         old = self.fragments.get(p)
@@ -531,7 +533,7 @@ class Syncer:
         update, residual = None, state.residual
         if record.get("kind") == "merge" and self.update_codec != "none":
             update, params, residual = self._compress_update(state, params, version, clock)
-        tensors, outer_steps = _outer_state_to_wire(outer)
+        tensors, outer_steps = outer_state_to_wire(outer)
         tensors.update({RESIDUAL + n: t for n, t in residual.items()})
         state_key = commit_version(
             self.store, run_id=self.spec.run_id, fragment=p, version=version, params=params,
@@ -646,91 +648,6 @@ class Syncer:
 # --- the merge as pure functions (shared with replay) ---------------------------------------------
 
 
-def anchor(current: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
-           pseudo_grad: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Δ = Θ_current − θ_learner with θ_learner = Θ_base − pseudo_grad (Appendix D.2 anchoring)."""
-    return {n: (current[n] - base[n]) + pseudo_grad[n] for n in current}
-
-
-def merge_and_step(params: dict[str, torch.Tensor], outer: OuterOptimizer, anchored: list[dict[str, torch.Tensor]],
-                   weights: list[float], is_embedding: Callable[[str], bool],
-                   outer_kwargs: dict[str, Any], robust: str = "none",
-                   trim_ratio: float = 0.25) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
-    """Token-weighted RDA (mean for embeddings), or a robust average; then one outer Nesterov step
-    on a copy of ``outer``."""
-    delta = merge.merge_fragment(anchored, weights, is_embedding, robust=robust, trim_ratio=trim_ratio)
-    stepped = OuterOptimizer(**outer_kwargs)
-    stepped.load_state_dict(outer.state_dict())
-    return stepped.step(params, delta), stepped
-
-
-def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], residual: dict[str, torch.Tensor],
-                    header: codec.Header, codec_name: str, block_size: int, signer: Any = None
-                    ) -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Quantize a version's change for learners, with error feedback.
-
-    The published global is defined as old + dequantize(quantize(change + residual)), so a learner
-    holding the previous version rebuilds it bit for bit (checked against the global's checksum);
-    what quantization dropped is carried into the next update. Returns (wire bytes, published
-    params, new residual).
-    """
-    change = {n: new[n] - old[n] + residual.get(n, 0.0) for n in new}
-    wire = codec.encode(change, header, codec=codec_name, block_size=block_size)
-    _, sent = codec.decode(wire, kind="update", run_id=header.run_id)
-    published = {n: old[n] + sent[n] for n in old}
-    new_residual = {n: change[n] - sent[n] for n in old}
-    header.extra = {**header.extra, "global_checksum": codec.checksum_of(published)}
-    return (codec.encode(change, header, codec=codec_name, block_size=block_size, signer=signer),
-            published, new_residual)
-
-
-def commit_version(store: Store, *, run_id: str, fragment: int, version: int, params: dict[str, torch.Tensor],
-                   state_tensors: dict[str, torch.Tensor], state_extra: dict[str, Any], record: dict[str, Any],
-                   clock: VectorClock, signer: Any = None, after_commit: dict[str, bytes] | None = None,
-                   advance_index: bool = True) -> str | None:
-    """The publish protocol, shared by the syncer and ``restore --rollback``.
-
-    Writes the state object (create-only, a random token in its key), then the global (create-only:
-    the commit point, its header naming the state key), then ``after_commit`` objects (the update),
-    the tape entry and, if asked, the index. Returns the state key, or None when another writer
-    committed this version first (our state object, never referenced, is deleted).
-    """
-    state_key = layout.syncer_state_key(fragment, version, secrets.token_hex(6))
-    gkey = layout.global_key(fragment, version)
-    state_header = codec.Header(kind="state", run_id=run_id, fragment=fragment, version=version, clock=clock,
-                                extra={**state_extra, "global": gkey})
-    store.put_if_absent(state_key, codec.encode(state_tensors, state_header, codec="fp32", signer=signer))
-    record = {**record, "state_key": state_key, "published_at": time.time()}
-    header = codec.Header(kind="global", run_id=run_id, fragment=fragment, version=version, clock=clock, extra=record)
-    if not store.put_if_absent(gkey, codec.encode(params, header, codec="fp32", signer=signer)):
-        if protocol.read_header(store, gkey).extra.get("state_key") != state_key:
-            store.delete(state_key)
-            return None
-    for key, data in (after_commit or {}).items():
-        store.put_if_absent(key, data)
-    store.put_if_absent(layout.tape_key(fragment, version), json.dumps(
-        {"fragment": fragment, "version": version, "clock": json.loads(clock.to_json()), **record},
-        default=str).encode())
-    if advance_index:
-        protocol.advance_index(store, {fragment: version})
-    return state_key
-
-
-def _outer_state_to_wire(outer: OuterOptimizer) -> tuple[dict[str, torch.Tensor], int]:
-    """Momentum buffers as fp32 tensors; the integer step count travels in the header."""
-    from ddiloco_geo.core.outer import NUM_STEPS_KEY
-
-    state = outer.state_dict()
-    steps = int(state.pop(NUM_STEPS_KEY))
-    return state, steps
-
-
-def _outer_state_from_wire(tensors: dict[str, torch.Tensor], header: codec.Header) -> dict[str, torch.Tensor]:
-    from ddiloco_geo.core.outer import NUM_STEPS_KEY
-
-    return {**tensors, NUM_STEPS_KEY: torch.tensor(int(header.extra.get("outer_num_steps", 0)), dtype=torch.int64)}
-
-
 # --- command line --------------------------------------------------------------------------------
 
 
@@ -755,24 +672,8 @@ def security_kwargs(security) -> dict[str, Any]:
             "require_signatures": security.required()}
 
 
-def build_spec(settings) -> tuple[protocol.RunSpec, dict[str, torch.Tensor]]:
-    """The run spec and initial weights from the model settings (identical in every process)."""
-    from ddiloco_geo.core import fragments
-    from ddiloco_geo.core import model as modelmod
-
-    net = modelmod.build_model(settings.model)
-    params = {n: t.detach().to(torch.float32) for n, t in net.named_parameters()}
-    plan = fragments.plan_fragments(modelmod.param_shapes(net), settings.fragments.num_fragments)
-    spec = protocol.RunSpec(
-        run_id=settings.run_id, model=settings.model.model_dump(), plan=plan,
-        sync_every=settings.fragments.sync_every, overlap=settings.fragments.overlap,
-        codec=settings.learner.codec, block_size=settings.learner.block_size,
-    )
-    return spec, params
-
-
 def run(args: argparse.Namespace) -> int:
-    from ddiloco_geo.cli.main import settings_from
+    from ddiloco_geo.cli.settings import settings_from
     from ddiloco_geo.core.model import is_embedding
     from ddiloco_geo.storage import open_store
 
@@ -782,7 +683,7 @@ def run(args: argparse.Namespace) -> int:
     })
     cfg = settings.syncer
     store = open_store(settings.storage)
-    spec, params = build_spec(settings)
+    spec, params = protocol.build_spec(settings)
     spec = protocol.create_or_load_spec(store, spec)
     patterns = settings.model.embedding_patterns
     syncer = Syncer(store, spec, **cfg.model_dump(), is_embedding=lambda n: is_embedding(n, patterns),

@@ -36,7 +36,8 @@ class InProcessRun:
         from ddiloco_geo.learner import Learner
         from ddiloco_geo.core.model import is_embedding
         from ddiloco_geo.storage import open_store
-        from ddiloco_geo.syncer import Syncer, build_spec
+        from ddiloco_geo.protocol import build_spec
+        from ddiloco_geo.syncer import Syncer
 
         self.now = 0.0
         self.rng = random.Random(seed)

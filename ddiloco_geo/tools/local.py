@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco_geo.cli.main import settings_from
+    from ddiloco_geo.cli.settings import settings_from
 
     settings, _ = settings_from(args, {
         "local.learners": args.learners, "local.out": args.out, "learner.max_steps": args.steps,

@@ -17,7 +17,8 @@ from ddiloco_geo import protocol
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.model import is_embedding
 from ddiloco_geo.storage import open_store
-from ddiloco_geo.syncer import Syncer, build_spec
+from ddiloco_geo.protocol import build_spec
+from ddiloco_geo.syncer import Syncer
 
 TINY = {"model": {"name": "custom", "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16},
         "fragments": {"num_fragments": 4, "sync_every": 4}, "learner": {"codec": "fp32"},

@@ -798,7 +798,7 @@ def _is_summary(source: str | None) -> bool:
 def run(args: argparse.Namespace) -> int:
     if _is_summary(args.source):
         return _run_summary(args)
-    from ddiloco_geo.cli.main import settings_from
+    from ddiloco_geo.cli.settings import settings_from
     from ddiloco_geo.core.errors import ConfigError
     from ddiloco_geo.storage import open_store
 

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace, **extra: Any):
-    from ddiloco_geo.cli.main import cli_overrides
+    from ddiloco_geo.cli.settings import cli_overrides
     from ddiloco_geo.core import config
 
     flat = {"model.name": args.model, "learner.max_steps": args.steps, "data.max_bytes": args.max_bytes,

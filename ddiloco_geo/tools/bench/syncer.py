@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco_geo.core.clocks import VectorClock
     from ddiloco_geo.core.model import is_embedding
     from ddiloco_geo.storage import open_store
-    from ddiloco_geo.syncer import Syncer, build_spec
+    from ddiloco_geo.protocol import build_spec
+    from ddiloco_geo.syncer import Syncer
 
     torch.set_num_threads(1)
     settings, _ = config.load(cli={"model": {"name": args.model}, "syncer": {"grace_gamma": 0.0}})

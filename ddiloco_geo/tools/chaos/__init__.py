@@ -1157,7 +1157,7 @@ def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
 def _settings(args: argparse.Namespace, shape: dict[str, Any]):
     """Resolve settings: CLI > env > file > the chaos defaults > the project's defaults."""
     from ddiloco_geo.core import config
-    from ddiloco_geo.cli.main import cli_overrides
+    from ddiloco_geo.cli.settings import cli_overrides
 
     extra = {"learner.max_steps": args.steps, "local.learners": shape["learners"]}
     _, origin = config.load(cli=cli_overrides(args, extra), config_file=args.config)

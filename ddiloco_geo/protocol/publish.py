@@ -1,0 +1,93 @@
+"""The one publish path, and the formats of the syncer's state and update objects.
+
+:func:`commit_version` is the commit of a fragment version, shared by the syncer and
+``restore --rollback``: the state object (create-only, a random token in its key), then the global
+(create-only: **the commit point**; its header names the state key), then the update object, the
+tape entry and the index. Two different objects for one version cannot exist; the loser of a create
+race learns that the version is taken and adopts the winner.
+
+:func:`compress_update` defines a published global as previous + dequantized change (error
+feedback carries what quantization dropped into the next update), so a learner holding the
+previous version rebuilds the new one bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+import torch
+
+from ddiloco_geo import codec
+from ddiloco_geo.core import layout
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.outer import NUM_STEPS_KEY, OuterOptimizer
+from ddiloco_geo.protocol import index
+from ddiloco_geo.storage import Store
+
+RESIDUAL = "residual."  # state-object prefix of the update codec's error-feedback tensors  # in-memory globals kept for anchoring; older bases are read from the bucket
+
+
+def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], residual: dict[str, torch.Tensor],
+                    header: codec.Header, codec_name: str, block_size: int, signer: Any = None
+                    ) -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Quantize a version's change for learners, with error feedback.
+
+    The published global is defined as old + dequantize(quantize(change + residual)), so a learner
+    holding the previous version rebuilds it bit for bit (checked against the global's checksum);
+    what quantization dropped is carried into the next update. Returns (wire bytes, published
+    params, new residual).
+    """
+    change = {n: new[n] - old[n] + residual.get(n, 0.0) for n in new}
+    wire = codec.encode(change, header, codec=codec_name, block_size=block_size)
+    _, sent = codec.decode(wire, kind="update", run_id=header.run_id)
+    published = {n: old[n] + sent[n] for n in old}
+    new_residual = {n: change[n] - sent[n] for n in old}
+    header.extra = {**header.extra, "global_checksum": codec.checksum_of(published)}
+    return (codec.encode(change, header, codec=codec_name, block_size=block_size, signer=signer),
+            published, new_residual)
+
+
+def commit_version(store: Store, *, run_id: str, fragment: int, version: int, params: dict[str, torch.Tensor],
+                   state_tensors: dict[str, torch.Tensor], state_extra: dict[str, Any], record: dict[str, Any],
+                   clock: VectorClock, signer: Any = None, after_commit: dict[str, bytes] | None = None,
+                   advance_index: bool = True) -> str | None:
+    """The publish protocol, shared by the syncer and ``restore --rollback``.
+
+    Writes the state object (create-only, a random token in its key), then the global (create-only:
+    the commit point, its header naming the state key), then ``after_commit`` objects (the update),
+    the tape entry and, if asked, the index. Returns the state key, or None when another writer
+    committed this version first (our state object, never referenced, is deleted).
+    """
+    state_key = layout.syncer_state_key(fragment, version, secrets.token_hex(6))
+    gkey = layout.global_key(fragment, version)
+    state_header = codec.Header(kind="state", run_id=run_id, fragment=fragment, version=version, clock=clock,
+                                extra={**state_extra, "global": gkey})
+    store.put_if_absent(state_key, codec.encode(state_tensors, state_header, codec="fp32", signer=signer))
+    record = {**record, "state_key": state_key, "published_at": time.time()}
+    header = codec.Header(kind="global", run_id=run_id, fragment=fragment, version=version, clock=clock, extra=record)
+    if not store.put_if_absent(gkey, codec.encode(params, header, codec="fp32", signer=signer)):
+        if index.read_header(store, gkey).extra.get("state_key") != state_key:
+            store.delete(state_key)
+            return None
+    for key, data in (after_commit or {}).items():
+        store.put_if_absent(key, data)
+    store.put_if_absent(layout.tape_key(fragment, version), json.dumps(
+        {"fragment": fragment, "version": version, "clock": json.loads(clock.to_json()), **record},
+        default=str).encode())
+    if advance_index:
+        index.advance_index(store, {fragment: version})
+    return state_key
+
+
+def outer_state_to_wire(outer: OuterOptimizer) -> tuple[dict[str, torch.Tensor], int]:
+    """Momentum buffers as fp32 tensors; the integer step count travels in the header."""
+    state = outer.state_dict()
+    steps = int(state.pop(NUM_STEPS_KEY))
+    return state, steps
+
+
+def outer_state_from_wire(tensors: dict[str, torch.Tensor], header: codec.Header) -> dict[str, torch.Tensor]:
+    return {**tensors, NUM_STEPS_KEY: torch.tensor(int(header.extra.get("outer_num_steps", 0)), dtype=torch.int64)}

@@ -1,0 +1,118 @@
+"""The run spec (``run.json``): created once, create-only; the first writer wins and every later
+process must agree.
+
+Run spec (JSON, layout version 1): run id, model settings, fragment plan and its digest, schedule
+(P, H, tau), wire codec and quantization block. A learner whose own model produces a different plan
+refuses to join with a message naming both digests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+from ddiloco_geo.core import fragments, layout
+from ddiloco_geo.core import model as modelmod
+from ddiloco_geo.core.errors import CodecError, ConfigError, NotFoundError
+from ddiloco_geo.core.fragments import FragmentPlan
+from ddiloco_geo.storage import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    run_id: str
+    model: dict[str, Any]
+    plan: FragmentPlan
+    sync_every: int
+    overlap: int
+    codec: str
+    block_size: int
+    layout_version: int = layout.LAYOUT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "layout_version": self.layout_version,
+                "run_id": self.run_id,
+                "model": self.model,
+                "plan": json.loads(self.plan.to_json()),
+                "plan_digest": self.plan.digest(),
+                "sync_every": self.sync_every,
+                "overlap": self.overlap,
+                "codec": self.codec,
+                "block_size": self.block_size,
+            },
+            sort_keys=True,
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "RunSpec":
+        try:
+            d = json.loads(text)
+            if d.get("layout_version") != layout.LAYOUT_VERSION:
+                raise ConfigError(
+                    f"run.json has layout version {d.get('layout_version')!r}; this build reads "
+                    f"{layout.LAYOUT_VERSION}: use a matching ddiloco-geo release"
+                )
+            plan = FragmentPlan.from_json(json.dumps(d["plan"]))
+            if plan.digest() != d["plan_digest"]:
+                raise ConfigError("run.json is inconsistent: its plan does not match its plan_digest")
+            return cls(
+                run_id=d["run_id"], model=d["model"], plan=plan, sync_every=int(d["sync_every"]),
+                overlap=int(d["overlap"]), codec=d["codec"], block_size=int(d["block_size"]),
+            )
+        except (KeyError, TypeError, ValueError, CodecError) as exc:
+            raise ConfigError(f"run.json is malformed ({exc}); was it written by ddiloco-geo?") from None
+
+
+def create_or_load_spec(store: Store, spec: RunSpec) -> RunSpec:
+    """Create ``run.json`` if absent; otherwise load it and check it describes the same training."""
+    store.put_if_absent(layout.RUN_SPEC, spec.to_json().encode())
+    existing = load_spec(store)
+    if existing.plan.digest() != spec.plan.digest():
+        raise ConfigError(
+            f"the run at {store.url} was created with fragment plan {existing.plan.digest()[:12]} but this "
+            f"process's model gives {spec.plan.digest()[:12]}: use the run's model settings "
+            f"({existing.model}) or a new --store"
+        )
+    return existing
+
+
+def load_spec(store: Store) -> RunSpec:
+    return RunSpec.from_json(store.get(layout.RUN_SPEC))
+
+
+def wait_for_spec(store: Store, timeout_s: float, poll_s: float = 0.5) -> RunSpec:
+    """The one wait a learner may do: for the run to exist at all (first pull of the model)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return load_spec(store)
+        except NotFoundError:
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"no run.json at {store.url} after {timeout_s:.0f}s: start a syncer on this store first"
+                ) from None
+            time.sleep(poll_s)
+
+
+def build_spec(settings) -> tuple[RunSpec, dict[str, torch.Tensor]]:
+    """The run spec and initial weights from the model settings (identical in every process)."""
+    net = modelmod.build_model(settings.model)
+    params = {n: t.detach().to(torch.float32) for n, t in net.named_parameters()}
+    plan = fragments.plan_fragments(modelmod.param_shapes(net), settings.fragments.num_fragments)
+    spec = RunSpec(
+        run_id=settings.run_id, model=settings.model.model_dump(), plan=plan,
+        sync_every=settings.fragments.sync_every, overlap=settings.fragments.overlap,
+        codec=settings.learner.codec, block_size=settings.learner.block_size,
+    )
+    return spec, params
