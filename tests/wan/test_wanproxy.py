@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from ddiloco_geo.core.errors import ConfigError
-from ddiloco_geo.tools.wanproxy import WanProxy, WanProxyThread, _abort, is_loopback, parse_host_port
+from ddiloco_geo.tools.wanproxy import WanProxy, WanProxyThread, is_loopback, parse_host_port
+from ddiloco_geo.tools.wanproxy import abort as _abort
 
 MiB = 1024 * 1024
 REPO = Path(__file__).resolve().parents[2]

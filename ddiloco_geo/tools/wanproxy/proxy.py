@@ -28,33 +28,22 @@ and the connection is torn down. A target that refuses the connection resets the
 ``close()`` stops accepting, cancels every connection (peers see EOF or a reset) and is idempotent.
 
 Embedding: ``await proxy.start()`` / ``await proxy.close()`` inside a running loop, or
-:class:`WanProxyThread` from synchronous code (its own loop in a daemon thread)::
-
-    with WanProxyThread("127.0.0.1", s3_port, delay_s=0.05, rate_bps=10e6) as proxy:
-        boto3.client("s3", endpoint_url=proxy.url, ...)
-
-The CLI subcommand ``ddiloco-geo wan-proxy`` runs one until SIGINT/SIGTERM. It only listens on
+:class:`~ddiloco_geo.tools.wanproxy.thread.WanProxyThread` from synchronous code. It only listens on
 loopback unless told otherwise: the proxy has no authentication, so a listener on a public address
 would be an open relay to the target.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import ipaddress
 import itertools
-import json
 import logging
 import random
-import signal
-import socket
-import struct
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from ddiloco_geo.core.errors import ConfigError
+from ddiloco_geo.tools.wanproxy.address import is_loopback, join_host_port
+from ddiloco_geo.tools.wanproxy.link import TokenBucket, Window, abort, sleep_until
 
 log = logging.getLogger(__name__)
 
@@ -65,75 +54,6 @@ UNLIMITED_WINDOW_BYTES = 16 * 1024 * 1024
 
 _EOF = "eof"
 _RESET = "reset"
-
-
-# --- the emulated link ---------------------------------------------------------------------------
-
-
-class _TokenBucket:
-    """Paces bytes at ``rate_bytes_s`` with bursts of at most ``burst_bytes``.
-
-    Deficit form: a caller takes its bytes at once and sleeps off any debt, so concurrent callers
-    queue up behind each other's reservations (a shared link, served in arrival order)."""
-
-    def __init__(self, rate_bytes_s: float, burst_bytes: int) -> None:
-        self._rate = rate_bytes_s
-        self._burst = float(burst_bytes)
-        self._tokens = float(burst_bytes)
-        self._stamp: float | None = None
-
-    async def take(self, num_bytes: int) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if self._stamp is not None:
-            self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
-        self._stamp = now
-        self._tokens -= num_bytes
-        if self._tokens < 0:
-            await _sleep_until(now - self._tokens / self._rate)
-
-
-class _Window:
-    """Bytes in flight in one direction (read but not yet written to the far side).
-
-    One acquirer (the direction's reader task); a chunk bigger than the window passes alone."""
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self._capacity = capacity_bytes
-        self._used = 0
-        self._freed = asyncio.Event()
-
-    async def acquire(self, num_bytes: int) -> None:
-        while self._used and self._used + num_bytes > self._capacity:
-            self._freed.clear()
-            await self._freed.wait()
-        self._used += num_bytes
-
-    def release(self, num_bytes: int) -> None:
-        self._used -= num_bytes
-        self._freed.set()
-
-
-async def _sleep_until(deadline: float) -> None:
-    # asyncio may fire a timer up to one clock resolution early; "no earlier than" is the contract.
-    loop = asyncio.get_running_loop()
-    while (remaining := deadline - loop.time()) > 0:
-        await asyncio.sleep(remaining)
-
-
-def _abort(writer: asyncio.StreamWriter, *, reset: bool) -> None:
-    """Close a socket now; with ``reset`` the peer sees RST rather than FIN."""
-    if reset:
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except OSError:
-                pass
-    writer.transport.abort()
-
-
-# --- the proxy -----------------------------------------------------------------------------------
 
 
 class WanProxy:
@@ -196,7 +116,7 @@ class WanProxy:
 
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None
-        self._buckets: dict[str, _TokenBucket | None] = {}
+        self._buckets: dict[str, TokenBucket | None] = {}
         self._tasks: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._ids = itertools.count()
@@ -219,7 +139,7 @@ class WanProxy:
             raise RuntimeError("WanProxy was closed; make a new one")
         for direction in ("up", "down"):
             self._buckets[direction] = (
-                _TokenBucket(self.rate_bps / 8, self.burst_bytes) if self.rate_bps else None
+                TokenBucket(self.rate_bps / 8, self.burst_bytes) if self.rate_bps else None
             )
         self._server = await asyncio.start_server(self._on_accept, self.listen_host, self.listen_port)
         host, port = self._server.sockets[0].getsockname()[:2]
@@ -244,7 +164,7 @@ class WanProxy:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for writer in list(self._writers):  # connections whose task never got to run
-            _abort(writer, reset=False)
+            abort(writer, reset=False)
         self._writers.clear()
         if self._server is not None:
             await self._server.wait_closed()
@@ -258,7 +178,7 @@ class WanProxy:
 
     @property
     def address_text(self) -> str:
-        return _join_host_port(*self.address)
+        return join_host_port(*self.address)
 
     @property
     def url(self) -> str:
@@ -279,7 +199,7 @@ class WanProxy:
     def _on_accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # A plain callback (not a coroutine) so the task is registered before close() can look.
         if self._is_closed:
-            _abort(writer, reset=False)
+            abort(writer, reset=False)
             return
         self._writers.add(writer)
         task = asyncio.get_running_loop().create_task(self._serve(next(self._ids), reader, writer))
@@ -314,7 +234,7 @@ class WanProxy:
                     if outcome == _EOF:
                         w.close()
                     else:
-                        _abort(w, reset=is_reset)
+                        abort(w, reset=is_reset)
             self.num_active -= 1
             log.debug("wanproxy_conn_close conn=%d outcome=%s", conn_id, outcome)
 
@@ -338,7 +258,7 @@ class WanProxy:
     async def _pump(self, conn_id: int, direction: str, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> str:
         queue: asyncio.Queue[tuple[float, Any]] = asyncio.Queue()
-        window = _Window(self.window_bytes)
+        window = Window(self.window_bytes)
         rng = random.Random(f"{self.seed}:{conn_id}:{direction}")
         feeder = asyncio.create_task(self._feed(reader, queue, window, self._buckets[direction], rng))
         try:
@@ -369,10 +289,10 @@ class WanProxy:
             end = _RESET
         queue.put_nowait((max(release, loop.time() + self._one_way_delay(rng)), end))
 
-    async def _deliver(self, queue, writer: asyncio.StreamWriter, window: _Window, direction: str) -> str:
+    async def _deliver(self, queue, writer: asyncio.StreamWriter, window: Window, direction: str) -> str:
         while True:
             release, item = await queue.get()
-            await _sleep_until(release)
+            await sleep_until(release)
             try:
                 if item == _RESET:
                     return _RESET
@@ -390,157 +310,3 @@ class WanProxy:
             else:
                 self.down_bytes += len(item)
 
-
-# --- synchronous embedding -----------------------------------------------------------------------
-
-
-class WanProxyThread:
-    """A :class:`WanProxy` on its own event loop in a daemon thread, for synchronous code.
-
-    Same arguments as :class:`WanProxy`. ``start()`` returns once it listens (raising what the
-    proxy raised if it could not); ``stop()`` closes every connection and joins the thread."""
-
-    def __init__(self, target_host: str, target_port: int, **kwargs: Any) -> None:
-        self.proxy = WanProxy(target_host, target_port, **kwargs)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-
-    def start(self, timeout_s: float = 10.0) -> WanProxyThread:
-        if self._thread is not None:
-            raise RuntimeError("WanProxyThread.start() called twice")
-        self._thread = threading.Thread(target=self._main, name="wan-proxy", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"wan proxy did not start listening within {timeout_s} s")
-        if self._error is not None:
-            self._thread.join()
-            raise self._error
-        return self
-
-    def _main(self) -> None:
-        loop = self._loop = asyncio.new_event_loop()
-        try:
-            try:
-                loop.run_until_complete(self.proxy.start())
-            except BaseException as exc:  # handed to start()'s caller
-                self._error = exc
-                return
-            finally:
-                self._ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self.proxy.close())
-        finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Close the proxy and join its thread. Idempotent."""
-        thread, loop = self._thread, self._loop
-        if thread is None or not thread.is_alive() or loop is None:
-            return
-        try:
-            loop.call_soon_threadsafe(loop.stop)
-        except RuntimeError:  # loop already closed
-            pass
-        thread.join(timeout_s)
-
-    def __enter__(self) -> WanProxyThread:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.proxy.address
-
-    @property
-    def url(self) -> str:
-        return self.proxy.url
-
-    def stats(self) -> dict[str, int]:
-        return self.proxy.stats()
-
-
-# --- addresses -----------------------------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    """True when every address ``host`` names is a loopback address."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
-
-
-def parse_host_port(text: str, what: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{what} {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9000 (IPv6: [::1]:9000)")
-    return host.strip("[]"), int(port)
-
-
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-# --- `wan-proxy` subcommand ----------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, metavar="HOST:PORT", help="where to relay, e.g. 127.0.0.1:9000")
-    p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
-                   help="where to listen (default 127.0.0.1:0, a free port)")
-    p.add_argument("--delay-ms", type=float, default=50.0, help="one-way delay in ms (default 50; RTT is twice)")
-    p.add_argument("--rate-mbit", type=float, default=20.0,
-                   help="bandwidth per direction in Mbit/s, shared by all connections (default 20; 0 = unlimited)")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="extra one-way delay, uniform in [0, J] ms (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the jitter (default 0)")
-    p.add_argument("--allow-non-loopback", action="store_true",
-                   help="allow --listen on a non-loopback address (the proxy has no authentication)")
-
-
-def run(args: argparse.Namespace) -> int:
-    target_host, target_port = parse_host_port(args.target, "--target")
-    listen_host, listen_port = parse_host_port(args.listen, "--listen")
-    if args.rate_mbit < 0:
-        raise ConfigError(f"--rate-mbit {args.rate_mbit}: must be >= 0 (0 = unlimited)")
-    proxy = WanProxy(
-        target_host, target_port,
-        listen_host=listen_host, listen_port=listen_port,
-        delay_s=args.delay_ms / 1000, rate_bps=args.rate_mbit * 1e6 or None,
-        jitter_s=args.jitter_ms / 1000, seed=args.seed,
-        allow_non_loopback=args.allow_non_loopback,
-    )
-    asyncio.run(_serve_until_signal(proxy, args))
-    return 0
-
-
-async def _serve_until_signal(proxy: WanProxy, args: argparse.Namespace) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await proxy.start()
-    _emit(args.json, {
-        "listen": proxy.address_text, "url": proxy.url, "target": _join_host_port(proxy.target_host, proxy.target_port),
-        "delay_ms": args.delay_ms, "rate_mbit": args.rate_mbit or None, "jitter_ms": args.jitter_ms,
-    }, lambda d: f"{d['url']} -> {d['target']} delay_ms={d['delay_ms']:g} rate_mbit={d['rate_mbit']} "
-                 f"jitter_ms={d['jitter_ms']:g} (Ctrl-C to stop)")
-    try:
-        await stop.wait()
-    finally:
-        await proxy.close()
-    _emit(args.json, proxy.stats(), lambda d: " ".join(f"{k}={v}" for k, v in d.items()))
-
-
-def _emit(as_json: bool, record: dict[str, Any], text: Callable[[dict[str, Any]], str]) -> None:
-    print(json.dumps(record) if as_json else text(record), flush=True)
