@@ -14,6 +14,7 @@ from ddiloco_geo import codec
 from ddiloco_geo.tools.bench.codec import fragment
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.codec import CodecError, Header
+from ddiloco_geo.codec.framing import serialize
 
 SHAPES = [(), (1,), (5,), (127,), (128,), (129,), (300, 7), (2, 3, 64), (0,), (4, 0)]
 
@@ -253,7 +254,7 @@ def forge(stored: dict[str, torch.Tensor], name: str, shape, codec_name: str, bs
             "dtypes": json.dumps({name: "float32"}), "checksum": codec.checksum_of(stored),
             "fragment": "0", "seq": "0", "base_version": "0", "version": "-1", "num_steps": "1",
             "num_tokens": "1", "block_size": str(bs)}  # fmt: skip
-    return codec._serialize(stored, meta)
+    return serialize(stored, meta)
 
 
 def reason_of(data, **kwargs) -> str:

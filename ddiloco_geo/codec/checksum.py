@@ -1,0 +1,72 @@
+"""The header checksum: SHA-256 over the raw bytes of every stored tensor, in sorted key order.
+
+"Stored" means the tensors as they sit on the wire (``<name>`` for fp32/bf16, ``<name>:q`` then
+``<name>:scale`` for int8/int4), so the checksum covers exactly the data section and is checked
+before any value is trusted. It detects corruption, not forgery: header fields outside the tensor
+bytes are validated, not hashed (a signature covers them; see ``wire``).
+
+Hashing overlaps the quantizer: hashlib releases the GIL, so ``Digest`` feeds a single worker
+thread (FIFO, so order is kept) when there is enough to hash to pay for the hand-off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ddiloco_geo.codec.framing import byte_view
+
+# Hash on a worker thread only when there is enough to hash to pay for the hand-off.
+PARALLEL_HASH_BYTES = 1 << 20
+
+_HASH_POOL: ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _HASH_POOL
+    if _HASH_POOL is None:
+        _HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddiloco-codec-sha256")
+    return _HASH_POOL
+
+
+class Digest:
+    """sha256 fed in order; with ``parallel`` the updates run on one worker thread (FIFO), so
+    hashing overlaps the quantizer. Callers must not modify a buffer after handing it over."""
+
+    def __init__(self, *, parallel: bool) -> None:
+        self._hash = hashlib.sha256()
+        self._parallel = parallel
+        self._futures: list[Future[None]] = []
+
+    def update(self, data: torch.Tensor | memoryview) -> None:
+        view = byte_view(data) if isinstance(data, torch.Tensor) else data
+        if not len(view):
+            return
+        if self._parallel:
+            self._futures.append(_hash_pool().submit(self._hash.update, view))
+        else:
+            self._hash.update(view)
+
+    def hexdigest(self) -> str:
+        for fut in self._futures:
+            fut.result()
+        self._futures.clear()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        """Wait for in-flight updates (they reference caller buffers), ignoring their outcome."""
+        for fut in self._futures:
+            if not fut.cancel():
+                fut.exception()
+        self._futures.clear()
+
+
+def checksum_of(stored: Mapping[str, torch.Tensor]) -> str:
+    """The header checksum of a set of stored (wire) tensors: sha256 in sorted key order."""
+    h = hashlib.sha256()
+    for key in sorted(stored):
+        h.update(byte_view(stored[key].contiguous()))
+    return h.hexdigest()

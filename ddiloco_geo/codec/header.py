@@ -1,0 +1,170 @@
+"""The wire header (format version 1): the ``Header`` dataclass and its metadata fields.
+
+The header lives in safetensors' ``__metadata__`` (``dict[str, str]``)::
+
+    ddiloco.format  "1"                       (FORMAT_VERSION; a reader refuses any other)
+    kind            delta | global | update | state | checkpoint
+    run_id, learner, fragment, seq, base_version, version, num_steps, num_tokens
+    clock           VectorClock JSON
+    codec           fp32 | bf16 | int8 | int4
+    block_size      values per scale block ("0" for fp32/bf16)
+    shapes, dtypes  JSON {name: [dims]} and {name: "float32" | ...}: what decode restores
+    extra           one JSON object (merge record, data cursor, ...)
+    checksum        sha256 hex over the raw bytes of every stored tensor, in sorted key order
+    signer          (signed objects only) key id: "learner:<id>" or "syncer"
+    signature       (signed objects only) hex HMAC-SHA256 over every other metadata field
+
+The fields are a frozen surface: a change of meaning needs a new ``FORMAT_VERSION``. Writing
+(``check_header``, ``header_metadata``) raises ValueError for a header that could not be read back;
+reading (``parse_metadata``) raises ``CodecError``: ``foreign`` (no metadata, or no format key),
+``version`` (another format version) or ``bad_header`` (a missing or malformed field). This module
+checks the fields one by one; whether they agree with the stored tensors is ``wire``'s business.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddiloco_geo.codec.framing import INT64_MAX, is_int_list
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.errors import CodecError
+from ddiloco_geo.core.layout import ID_PATTERN
+from ddiloco_geo.core.signing import SIGNER_FIELD
+
+FORMAT_VERSION = 1
+FORMAT_KEY = "ddiloco.format"
+KINDS = ("delta", "global", "update", "state", "checkpoint")
+INT_FIELDS = ("fragment", "seq", "base_version", "version", "num_steps", "num_tokens", "block_size")
+
+_INT_RE = re.compile(r"-?[0-9]{1,19}")
+
+
+@dataclass
+class Header:
+    """What an object says about itself. ``shapes``, ``dtypes`` and ``checksum`` are filled in by
+    ``decode``/``read_header`` (``encode`` derives them from the tensors) and take no part in
+    equality."""
+
+    kind: str
+    run_id: str
+    fragment: int = -1
+    learner: str = ""
+    seq: int = -1
+    base_version: int = -1
+    version: int = -1
+    clock: VectorClock = VectorClock()
+    num_steps: int = 0
+    num_tokens: int = 0
+    codec: str = "fp32"
+    block_size: int = 0
+    extra: dict = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
+    dtypes: dict[str, str] = field(default_factory=dict, compare=False)
+    checksum: str = field(default="", compare=False)
+    signer: str = field(default="", compare=False)  # key id; trustworthy only after decode(verify=...)
+
+
+def check_header(h: Header) -> None:
+    """Refuse (ValueError) a header whose fields would not read back (before anything is encoded)."""
+    if h.kind not in KINDS:
+        raise ValueError(f"header kind {h.kind!r}: expected one of {', '.join(KINDS)}")
+    if not isinstance(h.run_id, str) or not h.run_id:
+        raise ValueError(f"header run_id {h.run_id!r}: expected a non-empty string")
+    if not isinstance(h.learner, str) or (h.learner and not ID_PATTERN.match(h.learner)):
+        raise ValueError(f"header learner {h.learner!r}: expected '' or a learner id")
+    if not isinstance(h.clock, VectorClock):
+        raise ValueError(f"header clock: expected a VectorClock, got {type(h.clock).__name__}")
+    if not isinstance(h.extra, dict):
+        raise ValueError(f"header extra: expected a dict, got {type(h.extra).__name__}")
+    for f in INT_FIELDS:
+        value = getattr(h, f)
+        if type(value) is not int or not -1 <= value <= INT64_MAX:
+            raise ValueError(f"header {f} {value!r}: expected an integer >= -1")
+
+
+def header_metadata(
+    h: Header, *, codec: str, block_size: int, shapes: dict[str, list[int]], dtypes: dict[str, str], checksum: str
+) -> dict[str, str]:
+    """The unsigned ``__metadata__`` of an object (``codec``/``block_size`` as resolved by encode)."""
+    return {
+        FORMAT_KEY: str(FORMAT_VERSION),
+        "kind": h.kind,
+        "run_id": h.run_id,
+        "learner": h.learner,
+        "clock": h.clock.to_json(),
+        "codec": codec,
+        "extra": _json(h.extra),
+        "shapes": _json(shapes),
+        "dtypes": _json(dtypes),
+        "checksum": checksum,
+        **{f: str(getattr(h, f)) for f in INT_FIELDS},
+        "block_size": str(block_size),
+    }
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"header value is not plain JSON: {exc}") from None
+
+
+def parse_metadata(entries: dict[str, Any]) -> Header:
+    """The ``Header`` of a framed object (``entries`` is its safetensors header JSON)."""
+    meta = entries.get("__metadata__")
+    if meta is None:
+        raise CodecError("foreign", "safetensors file without metadata")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CodecError("bad_header", "__metadata__ is not a map of strings")
+    if FORMAT_KEY not in meta:
+        raise CodecError("foreign", f"no {FORMAT_KEY!r} in the metadata: not a ddiloco-geo object")
+    if meta[FORMAT_KEY] != str(FORMAT_VERSION):
+        raise CodecError("version", f"format {meta[FORMAT_KEY][:20]!r}, this reader knows {FORMAT_VERSION}")
+
+    def text(key: str) -> str:
+        if key not in meta:
+            raise CodecError("bad_header", f"missing header field {key!r}")
+        return meta[key]
+
+    def integer(key: str) -> int:
+        value = text(key)
+        if not _INT_RE.fullmatch(value) or not -1 <= int(value) <= INT64_MAX:
+            raise CodecError("bad_header", f"header field {key!r}={value[:30]!r} is not an integer >= -1")
+        return int(value)
+
+    def obj(key: str) -> Any:
+        try:
+            return json.loads(text(key))
+        except (ValueError, RecursionError) as exc:
+            raise CodecError("bad_header", f"header field {key!r} is not JSON: {exc}"[:300]) from None
+
+    kind, learner, run = text("kind"), text("learner"), text("run_id")
+    if kind not in KINDS:
+        raise CodecError("bad_header", f"unknown kind {kind[:30]!r}")
+    if not run or (learner and not ID_PATTERN.match(learner)):
+        raise CodecError("bad_header", "empty run_id or invalid learner id")
+    try:
+        clock = VectorClock.from_json(text("clock"))
+    except CodecError as exc:
+        raise CodecError("bad_header", f"header field 'clock': {exc.detail}") from None
+    extra, shapes, dtypes = obj("extra"), obj("shapes"), obj("dtypes")
+    if not isinstance(extra, dict):
+        raise CodecError("bad_header", "header field 'extra' is not a JSON object")
+    if not isinstance(shapes, dict) or not all(is_int_list(s, 0) for s in shapes.values()):
+        raise CodecError("bad_header", "header field 'shapes' is not {name: [dims]}")
+    if not isinstance(dtypes, dict) or set(dtypes) != set(shapes) or not all(
+        isinstance(d, str) for d in dtypes.values()
+    ):
+        raise CodecError("bad_header", "header field 'dtypes' does not match 'shapes'")
+    checksum = text("checksum")
+    if not re.fullmatch(r"[0-9a-f]{64}", checksum):
+        raise CodecError("bad_header", "header field 'checksum' is not a sha256 hex digest")
+    ints = {f: integer(f) for f in INT_FIELDS}
+    return Header(
+        kind=kind, run_id=run, learner=learner, clock=clock, codec=text("codec"), extra=extra,
+        shapes={n: tuple(s) for n, s in shapes.items()}, dtypes=dtypes, checksum=checksum,
+        signer=meta.get(SIGNER_FIELD, ""), **ints,
+    )  # fmt: skip
