@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ddiloco_geo.core.errors import ConfigError
@@ -99,8 +99,7 @@ class LearnerConfig(Section):
     max_steps: int = Field(300, ge=1, description="inner steps this learner takes before exiting")
     max_time_s: float | None = Field(None, gt=0)
     alpha: float = Field(0.0, ge=0, lt=1, description="mixing factor on adoption: local = alpha*local + (1-alpha)*global; 0 overwrites")
-    codec: Codec = "int4"
-    block_size: int = Field(128, ge=8, description="quantization block (values per scale)")
+    checkpoint_on_exit: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
     upload_queue: int = Field(8, ge=1, description="deltas waiting for upload before the oldest is dropped and counted")
     poll_s: float = Field(0.5, gt=0, description="interval between polls for new global versions")
     heartbeat_s: float = Field(2.0, gt=0)
@@ -132,11 +131,20 @@ class SyncerConfig(Section):
     fetch_concurrency: int = Field(8, ge=1)
     shard: str = Field("0/1", description="'i/S': this syncer owns fragments p with p % S == i")
     idle_exit_s: float | None = Field(None, gt=0, description="exit after this long with no learner activity (local runs)")
+    drain_timeout_s: float = Field(60.0, gt=0, description="on stop: time allowed for the last poll and merge of everything pending")
 
     @field_validator("shard")
     @classmethod
     def _shard(cls, v: str) -> str:
         return _check_shard(v)
+
+
+class RunConfig(Section):
+    """Run-level settings every process must agree on; recorded in ``run.json`` by the first syncer
+    and checked against it when a learner joins (a mismatch is an error, never silently ignored)."""
+
+    codec: Codec = Field("int4", description="wire codec of learners' deltas")
+    quant_block: int = Field(128, ge=8, description="quantization block of the wire codecs (values per scale)")
 
 
 class FragmentConfig(Section):
@@ -158,7 +166,6 @@ class AgentConfig(Section):
     metadata_url: str | None = Field(None, description="metadata server URL (default: the cloud's link-local address)")
     poll_s: float = Field(1.0, gt=0, description="interval between metadata polls (GCE long-polls)")
     act_on_rebalance: bool = Field(True, description="treat an AWS rebalance recommendation as a notice")
-    checkpoint: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
 
 
 class SecurityConfig(Section):
@@ -181,6 +188,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(extra="forbid", validate_assignment=True)
 
     run_id: str = Field("run", description="run name recorded in every object header")
+    run: RunConfig = Field(default_factory=RunConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -192,17 +200,31 @@ class Settings(BaseSettings):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
 
-    @model_validator(mode="after")
-    def _cross_checks(self) -> "Settings":
-        if self.syncer.quorum > 1 and self.local.learners < self.syncer.quorum:
-            raise ValueError(
-                f"syncer.quorum={self.syncer.quorum} exceeds local.learners={self.local.learners}: "
-                "no merge could ever happen; lower the quorum or add learners"
-            )
-        return self
-
 
 SOURCES = ("default", "file", "env", "cli")
+
+
+def overrides_tree(pairs: list[str] | None = None, flat: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A nested override dict from ``KEY=VALUE`` pairs (values parsed as JSON where they are JSON)
+    and a flat ``{"section.field": value}`` map (None values dropped), the latter winning."""
+    merged: dict[str, Any] = {}
+    for item in pairs or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set syncer.quorum=2")
+        key, value = item.split("=", 1)
+        try:
+            merged[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            merged[key.strip()] = value
+    merged.update({k: v for k, v in (flat or {}).items() if v is not None})
+    tree: dict[str, Any] = {}
+    for dotted, value in merged.items():
+        node = tree
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return tree
 
 
 def _env_tree(environ: dict[str, str]) -> dict[str, Any]:
@@ -265,6 +287,9 @@ def _describe(err: ValidationError, origin: dict[str, str]) -> str:
             hint = "unknown key; check the spelling ('ddiloco-geo config --show' lists every key)"
         else:
             hint = e["msg"]
+        if not e["loc"]:  # a check across sections: no single key to point at
+            lines.append(f"  {hint}")
+            continue
         env = ENV_PREFIX + ENV_NESTED.join(str(p).upper() for p in e["loc"])
         lines.append(f"  {dotted} (from {where}; env {env}): {hint}")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -231,6 +231,12 @@ def is_embedding(name: str, patterns: Iterable[str]) -> bool:
     """True if any pattern is a substring of one dot-separated part of ``name``."""
     parts = name.split(".")
     return any(pattern in part for pattern in patterns for part in parts)
+
+
+def embedding_rule(cfg: ModelConfig) -> Callable[[str], bool]:
+    """The model settings' rule for which tensors are merged by weighted mean instead of RDA."""
+    patterns = list(cfg.embedding_patterns)
+    return lambda name: is_embedding(name, patterns)
 
 
 def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -38,6 +38,8 @@ import json
 import re
 from collections.abc import Callable, Mapping
 
+from ddiloco_geo.core.errors import ConfigError
+
 ROLES = ("learner", "syncer")
 SYNCER_KEY_ID = "syncer"
 LEARNER_KEY_PREFIX = "learner:"
@@ -235,3 +237,35 @@ def verify_record(record: Mapping, verifier: Verifier, expected_signer: str) -> 
     if kid != expected_signer or not isinstance(sig, str):
         return False
     return verifier.verify(kid, _record_message(record), sig)
+
+
+# --- the keys each role holds, from the security settings ---------------------------------------
+
+
+def _secret_or_none(security) -> str | None:
+    if security.run_secret is None:
+        if security.required():
+            raise ConfigError("security.require_signatures is set but no security.run_secret: "
+                              "set DDILOCO_SECURITY__RUN_SECRET on every learner and syncer")
+        return None
+    return security.run_secret.get_secret_value()
+
+
+def syncer_keys(security) -> dict:
+    """Keyword arguments for the syncer: its signer (its own key) and a verifier for every
+    learner's key and its own; empty when the run is unsigned."""
+    secret = _secret_or_none(security)
+    if secret is None:
+        return {}
+    return {"signer": signer_for(secret, "syncer"), "verifier": run_verifier(secret),
+            "require_signatures": security.required()}
+
+
+def learner_keys(security, learner_id: str) -> tuple[Signer | None, Verifier | None, Verifier | None]:
+    """(signer for this learner's objects, verifier of the syncer's, verifier of its own)."""
+    secret = _secret_or_none(security)
+    if secret is None:
+        return None, None, None
+    own_key, own_id = derive_key(secret, "learner", learner_id), key_id("learner", learner_id)
+    return (signer_for(secret, "learner", learner_id), syncer_verifier(derive_key(secret, "syncer")),
+            Verifier(lambda kid: own_key if kid == own_id else None))

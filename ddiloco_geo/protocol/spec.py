@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 
-from ddiloco_geo.core import fragments, layout
+from ddiloco_geo.core import layout
 from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.errors import CodecError, ConfigError, NotFoundError
-from ddiloco_geo.core.fragments import FragmentPlan
+from ddiloco_geo.core.fragments import FragmentPlan, plan_fragments
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,20 @@ class RunSpec:
     sync_every: int
     overlap: int
     codec: str
-    block_size: int
+    quant_block: int
     layout_version: int = layout.LAYOUT_VERSION
+
+    @property
+    def block_size(self) -> int:  # TEMPORARY alias while ops/ and tools/ move to quant_block
+        return self.quant_block
+
+    def check_settings(self, run_cfg) -> None:
+        """A process's ``run`` settings must match the run it joins (never silently ignored)."""
+        mismatched = [f"run.{k}={getattr(run_cfg, k)!r} but the run uses {v!r}"
+                      for k, v in (("codec", self.codec), ("quant_block", self.quant_block)) if getattr(run_cfg, k) != v]
+        if mismatched:
+            raise ConfigError(f"this process's settings disagree with run {self.run_id} ({'; '.join(mismatched)}): "
+                              "start it with the run's settings (see its run.json)")
 
     def to_json(self) -> str:
         return json.dumps(
@@ -48,7 +60,7 @@ class RunSpec:
                 "sync_every": self.sync_every,
                 "overlap": self.overlap,
                 "codec": self.codec,
-                "block_size": self.block_size,
+                "quant_block": self.quant_block,
             },
             sort_keys=True,
             indent=1,
@@ -68,7 +80,8 @@ class RunSpec:
                 raise ConfigError("run.json is inconsistent: its plan does not match its plan_digest")
             return cls(
                 run_id=d["run_id"], model=d["model"], plan=plan, sync_every=int(d["sync_every"]),
-                overlap=int(d["overlap"]), codec=d["codec"], block_size=int(d["block_size"]),
+                overlap=int(d["overlap"]), codec=d["codec"],
+                quant_block=int(d["quant_block"] if "quant_block" in d else d["block_size"]),  # layout-1 runs before 2026-12
             )
         except (KeyError, TypeError, ValueError, CodecError) as exc:
             raise ConfigError(f"run.json is malformed ({exc}); was it written by ddiloco-geo?") from None
@@ -106,13 +119,16 @@ def wait_for_spec(store: Store, timeout_s: float, poll_s: float = 0.5) -> RunSpe
 
 
 def build_spec(settings) -> tuple[RunSpec, dict[str, torch.Tensor]]:
-    """The run spec and initial weights from the model settings (identical in every process)."""
-    net = modelmod.build_model(settings.model)
+    """The run spec and initial weights from a settings tree (its run-level sections)."""
+    return spec_from(run_id=settings.run_id, model=settings.model, fragments=settings.fragments, run=settings.run)
+
+
+def spec_from(*, run_id: str, model, fragments, run) -> tuple[RunSpec, dict[str, torch.Tensor]]:
+    """The run spec and initial weights from the model, fragment and run settings (identical in
+    every process that has the same settings)."""
+    net = modelmod.build_model(model)
     params = {n: t.detach().to(torch.float32) for n, t in net.named_parameters()}
-    plan = fragments.plan_fragments(modelmod.param_shapes(net), settings.fragments.num_fragments)
-    spec = RunSpec(
-        run_id=settings.run_id, model=settings.model.model_dump(), plan=plan,
-        sync_every=settings.fragments.sync_every, overlap=settings.fragments.overlap,
-        codec=settings.learner.codec, block_size=settings.learner.block_size,
-    )
+    plan = plan_fragments(modelmod.param_shapes(net), fragments.num_fragments)
+    spec = RunSpec(run_id=run_id, model=model.model_dump(), plan=plan, sync_every=fragments.sync_every,
+                   overlap=fragments.overlap, codec=run.codec, quant_block=run.quant_block)
     return spec, params

@@ -21,6 +21,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ddiloco_geo import protocol
+from ddiloco_geo.core.model import embedding_rule
+from ddiloco_geo.learner import Learner
+from ddiloco_geo.storage import open_store
+from ddiloco_geo.syncer import Syncer
+
 log = logging.getLogger(__name__)
 
 
@@ -32,25 +38,16 @@ class LearnerSpeed:
 
 class InProcessRun:
     def __init__(self, settings, speeds: list[LearnerSpeed], *, seed: int = 0, store_url: str | None = None) -> None:
-        from ddiloco_geo import protocol
-        from ddiloco_geo.learner import Learner
-        from ddiloco_geo.core.model import is_embedding
-        from ddiloco_geo.storage import open_store
-        from ddiloco_geo.protocol import build_spec
-        from ddiloco_geo.syncer import Syncer
-
         self.now = 0.0
         self.rng = random.Random(seed)
         M = len(speeds)
         url = store_url or f"memory://inproc-{uuid.uuid4().hex[:12]}"
         self.settings = settings.model_copy(update={"storage": settings.storage.model_copy(update={"url": url})})
         self.store = open_store(self.settings.storage)
-        spec, params = build_spec(self.settings)
+        spec, params = protocol.build_spec(self.settings)
         self.spec = protocol.create_or_load_spec(self.store, spec)
-        patterns = self.settings.model.embedding_patterns
-        scfg = self.settings.syncer.model_dump()
-        self.syncer = Syncer(self.store, self.spec, **scfg, is_embedding=lambda n: is_embedding(n, patterns),
-                             now=lambda: self.now)
+        self.syncer = Syncer(self.store, self.spec, **self.settings.syncer.model_dump(),
+                             is_embedding=embedding_rule(self.settings.model), now=lambda: self.now)
         self.syncer.bootstrap(params)
         self.speeds = speeds
         self.learners = []
@@ -59,7 +56,7 @@ class InProcessRun:
             dcfg = self.settings.data.model_copy(update={"shard": f"{i}/{M}"})
             s_i = self.settings.model_copy(update={"learner": lcfg, "data": dcfg})
             # each learner its own Store on the same bucket, so its bytes are counted on their own
-            learner = Learner(s_i, open_store(s_i.storage), inline_io=True)
+            learner = Learner.from_settings(s_i, open_store(s_i.storage), inline_io=True)
             learner.join()
             learner.start_clock()
             self.learners.append(learner)
@@ -87,14 +84,12 @@ class InProcessRun:
             upcoming[i] = self.now + self._draw_step(i)
             self.loop.run_until_complete(self.syncer.poll_once())
             self.syncer.merge_ready()
-        self.syncer._draining = True
+        self.syncer.draining = True
         self.loop.run_until_complete(self.syncer.poll_once())
         self.syncer.merge_ready()
         return self.syncer.status()
 
     def global_params(self):
-        from ddiloco_geo import protocol
-
         params, _ = protocol.read_global_params(self.store, self.spec)
         return params
 

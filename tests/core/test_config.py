@@ -1,5 +1,6 @@
 """Settings precedence (CLI > env > file > defaults), provenance, and clear errors."""
 
+import pydantic
 import pytest
 
 from ddiloco_geo.core import config
@@ -20,7 +21,7 @@ def test_defaults_match_the_design_numbers():
     assert settings.syncer.quorum == 1
     assert settings.syncer.outer_lr == 0.7
     assert settings.syncer.outer_momentum == 0.9
-    assert settings.learner.codec == "int4"
+    assert settings.run.codec == "int4"
     assert settings.storage.url.startswith("file://")
     assert origin == {}
 
@@ -51,10 +52,9 @@ def test_env_lists_are_parsed_as_json():
     [
         ({"cli": {"syncer": {"quorom": 2}}}, "syncer.quorom"),
         ({"environ": {"DDILOCO_SYNCER__QUORUM": "0"}}, "DDILOCO_SYNCER__QUORUM"),
-        ({"cli": {"learner": {"codec": "int3"}}}, "learner.codec"),
+        ({"cli": {"run": {"codec": "int3"}}}, "run.codec"),
         ({"cli": {"syncer": {"shard": "3/2"}}}, "0 <= i < N"),
         ({"cli": {"data": {"shard": "x"}}}, "i/N"),
-        ({"cli": {"syncer": {"quorum": 5}, "local": {"learners": 2}}}, "lower the quorum"),
     ],
 )
 def test_invalid_values_are_rejected_with_a_fix(kwargs, needle):
@@ -103,3 +103,22 @@ def test_every_key_is_documented():
     settings, origin = config.load(environ={})
     missing = [r["key"] for r in config.explain(settings, origin) if f"`{r['key']}`" not in doc]
     assert not missing, f"add these keys to docs/configuration.md: {missing}"
+
+
+def test_a_quorum_above_local_learners_is_valid_for_the_syncer_command():
+    """The check that K <= M belongs to `ddiloco-geo local` (which knows M); a syncer of a
+    multi-machine run may well wait for more learners than `local.learners` says."""
+    settings, _ = config.load(cli={"syncer": {"quorum": 4}}, environ={})
+    assert settings.syncer.quorum == 4 and settings.local.learners == 3
+
+
+def test_a_check_across_sections_prints_no_broken_provenance():
+    class Strict(config.Settings):
+        @pydantic.model_validator(mode="after")
+        def _across(self):
+            raise ValueError("sections disagree")
+
+    with pytest.raises(pydantic.ValidationError) as info:
+        Strict.model_validate({})
+    text = config._describe(info.value, {})
+    assert "sections disagree" in text and "env DDILOCO_)" not in text and "(from default" not in text

@@ -21,7 +21,7 @@ from ddiloco_geo.protocol import build_spec
 from ddiloco_geo.syncer import Syncer
 
 TINY = {"model": {"name": "custom", "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16},
-        "fragments": {"num_fragments": 4, "sync_every": 4}, "learner": {"codec": "fp32"},
+        "fragments": {"num_fragments": 4, "sync_every": 4}, "run": {"codec": "fp32"},
         "data": {"max_bytes": 200_000}}
 
 

@@ -20,6 +20,9 @@ import json
 import sys
 from typing import Any
 
+from ddiloco_geo.tools.bench.quality import bench_settings
+from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny")
@@ -31,12 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddiloco_geo.tools.bench.quality import _settings
-    from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
-
     # the exit checkpoint (parameters + AdamW moments) is a one-off, not traffic per token: off here,
     # its size is reported apart
-    settings = _settings(args, **{"agent.checkpoint": False})
+    settings = bench_settings(args, **{"learner.checkpoint_on_exit": False})
     M = args.learners
     print(f"bench bandwidth: {M} learners x {args.steps} steps, model {args.model}", file=sys.stderr)
     speeds = [LearnerSpeed(1.0 if i % 2 == 0 else 1.18, 0.10) for i in range(M)]
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {
         "model": args.model, "num_params": num_params, "learners": M, "steps_per_learner": args.steps,
         "fragments": settings.fragments.num_fragments, "sync_every": settings.fragments.sync_every,
-        "codec": settings.learner.codec, "update_codec": settings.syncer.update_codec,
+        "codec": settings.run.codec, "update_codec": settings.syncer.update_codec,
         "learner_bytes_per_token": ours_per_token, "learner_sent_per_token": up / tokens,
         "learner_received_per_token": down / tokens,
         "dp_allreduce_bytes_per_token": dp_per_token,

@@ -27,6 +27,8 @@ import sys
 import uuid
 from typing import Any
 
+from ddiloco_geo.tools.wanproxy import WanProxyThread
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small", help="built-in model size (default small, ~11M parameters)")
@@ -54,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("bench overhead needs the S3 test server: pip install 'ddiloco-geo[test]'") from None
     import boto3
 
-    from ddiloco_geo.tools.wanproxy import WanProxyThread
 
     for name, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():

@@ -24,6 +24,14 @@ import sys
 import time
 from typing import Any
 
+import torch
+
+from ddiloco_geo.core import config
+from ddiloco_geo.core import data as datamod
+from ddiloco_geo.core import model as modelmod
+from ddiloco_geo.learner import lr_schedule
+from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
+
 log = logging.getLogger(__name__)
 
 
@@ -38,25 +46,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], dest="overrides", help="extra settings KEY=VALUE")
 
 
-def _settings(args: argparse.Namespace, **extra: Any):
-    from ddiloco_geo.cli.settings import cli_overrides
-    from ddiloco_geo.core import config
-
+def bench_settings(args: argparse.Namespace, **extra: Any):
     flat = {"model.name": args.model, "learner.max_steps": args.steps, "data.max_bytes": args.max_bytes,
             "data.eval_batches": 16, "learner.log_every": 50, "local.learners": args.learners, **extra}
-    tree = cli_overrides(argparse.Namespace(overrides=args.overrides, store=None), flat)
+    tree = config.overrides_tree(args.overrides, flat)
     settings, _ = config.load(cli=tree)
     return settings
 
 
 def train_dp(settings, num_learners: int) -> float:
     """Data-parallel baseline: one step per global batch of all learners' batches."""
-    import torch
 
-    from ddiloco_geo.core import data as datamod
 
-    from ddiloco_geo.core import model as modelmod
-    from ddiloco_geo.learner import lr_schedule
 
     cfg = settings.learner
     model = modelmod.build_model(settings.model)
@@ -84,10 +85,6 @@ def train_dp(settings, num_learners: int) -> float:
 
 
 def train_ddiloco(settings, num_learners: int, seed: int) -> dict[str, Any]:
-    from ddiloco_geo.core import data as datamod
-    from ddiloco_geo.core import model as modelmod
-    from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
-
     speeds = [LearnerSpeed(1.0 if i % 2 == 0 else 1.18, 0.10) for i in range(num_learners)]
     run = InProcessRun(settings, speeds, seed=seed)
     try:
@@ -119,11 +116,9 @@ VARIANTS = {
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     torch.manual_seed(args.seed)
     M = args.learners
-    base = _settings(args)
+    base = bench_settings(args)
     t0 = time.perf_counter()
     print(f"bench quality: data-parallel baseline, {args.steps} steps x {M} batches", file=sys.stderr)
     dp_loss = train_dp(base, M)
@@ -134,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown variant {name!r}: choose from {', '.join(VARIANTS)}")
         print(f"bench quality: Decoupled DiLoCo variant {name}, M={M}", file=sys.stderr)
         t1 = time.perf_counter()
-        res = train_ddiloco(_settings(args, **VARIANTS[name](M)), M, args.seed)
+        res = train_ddiloco(bench_settings(args, **VARIANTS[name](M)), M, args.seed)
         res.update({"variant": name, "loss_ratio": res["eval_loss"] / dp_loss, "wall_s": time.perf_counter() - t1})
         results.append(res)
         print(f"bench quality: {name} eval_loss={res['eval_loss']:.4f} ratio={res['loss_ratio']:.4f} "
@@ -143,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     out = {
         "model": args.model, "learners": M, "steps_per_learner": args.steps,
         "tokens_total": args.steps * M * base.learner.batch_size * base.model.block_size,
-        "codec": base.learner.codec, "dp_eval_loss": dp_loss, "dp_wall_s": dp_s,
+        "codec": base.run.codec, "dp_eval_loss": dp_loss, "dp_wall_s": dp_s,
         "ddiloco_eval_loss": main["eval_loss"] if main else None,
         "loss_ratio": main["loss_ratio"] if main else None,
         "goal_loss_ratio": 1.02, "variants": results,

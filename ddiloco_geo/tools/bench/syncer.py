@@ -16,6 +16,15 @@ import sys
 import time
 import uuid
 
+import torch
+
+from ddiloco_geo import codec, protocol
+from ddiloco_geo.core import config, layout
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.model import embedding_rule
+from ddiloco_geo.storage import open_store
+from ddiloco_geo.syncer import Syncer
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small")
@@ -24,31 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from ddiloco_geo import codec
-
-    from ddiloco_geo.core import config
-
-    from ddiloco_geo.core import layout
-
-    from ddiloco_geo import protocol
-    from ddiloco_geo.core.clocks import VectorClock
-    from ddiloco_geo.core.model import is_embedding
-    from ddiloco_geo.storage import open_store
-    from ddiloco_geo.protocol import build_spec
-    from ddiloco_geo.syncer import Syncer
-
     torch.set_num_threads(1)
     settings, _ = config.load(cli={"model": {"name": args.model}, "syncer": {"grace_gamma": 0.0}})
     best_syncer = best_add = float("inf")
     fp32_bytes = 0
     for rep in range(args.repeats):
         store = open_store(settings.storage.model_copy(update={"url": f"memory://bench-{uuid.uuid4().hex[:8]}"}))
-        spec, params = build_spec(settings)
+        spec, params = protocol.build_spec(settings)
         spec = protocol.create_or_load_spec(store, spec)
         syncer = Syncer(store, spec, **settings.syncer.model_dump(),
-                        is_embedding=lambda n: is_embedding(n, settings.model.embedding_patterns))
+                        is_embedding=embedding_rule(settings.model))
         syncer.bootstrap(params)
         gen = torch.Generator().manual_seed(rep)
         decoded = []

@@ -23,11 +23,26 @@ import sys
 import time
 from pathlib import Path
 
-from ddiloco_geo.tools.sim.bandwidth import DEFAULT_UTILIZATION, BandwidthModel, bandwidth_rows
+from ddiloco_geo.tools.sim import chart
+from ddiloco_geo.tools.sim.bandwidth import (
+    DEFAULT_UTILIZATION,
+    BandwidthModel,
+    bandwidth_rows,
+)
 from ddiloco_geo.tools.sim.calibrate import calibrate
-from ddiloco_geo.tools.sim.goodput import DEFAULT_CHIPS, DEFAULT_LEARNERS, ClusterModel, simulate_grid
+from ddiloco_geo.tools.sim.chart import goodput_chart
+from ddiloco_geo.tools.sim.goodput import (
+    DEFAULT_CHIPS,
+    DEFAULT_LEARNERS,
+    ClusterModel,
+    simulate_grid,
+)
 from ddiloco_geo.tools.sim.hetero import HeteroConfig, simulate_hetero
-from ddiloco_geo.tools.sim.scavenge import DEFAULT_EXTRA_RATIOS, ScavengeConfig, scavenge_rows
+from ddiloco_geo.tools.sim.scavenge import (
+    DEFAULT_EXTRA_RATIOS,
+    ScavengeConfig,
+    scavenge_rows,
+)
 
 __all__ = ["add_arguments", "run", "simulate_grid", "calibrate", "simulate_hetero", "scavenge_rows",
            "bandwidth_rows", "ClusterModel", "HeteroConfig", "ScavengeConfig", "BandwidthModel"]
@@ -146,8 +161,6 @@ def run(args: argparse.Namespace) -> int:
         rows = simulate_grid(chips, tuple(args.learners), model, args.seed, progress)
         chart = None
         if not args.no_chart:
-            from ddiloco_geo.tools.sim.chart import goodput_chart
-
             chart = goodput_chart(rows, out / "goodput.png",
                                   f"Goodput under failures (MTBI {model.mtbi_days:g} days/chip, K={model.quorum})")
     elif args.mode == "hetero":
@@ -174,8 +187,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _chart(name: str, rows: list[dict], path: Path) -> Path:
-    from ddiloco_geo.tools.sim import chart
-
     return getattr(chart, name)(rows, path)
 
 

@@ -1,0 +1,79 @@
+"""A learner's preemption checkpoint: the one object that lets a restarted learner continue.
+
+Written by rank 0 on exit (create-only, ``learners/<id>/checkpoints/cNNNNNNNNNN.st``, fp32,
+signed with the learner's key in a signed run): local parameters (``param.*``), AdamW moments
+(``adam.exp_avg.*``, ``adam.exp_avg_sq.*``), and in the header the step and token counts, the
+vector clock, and ``extra``: base versions, per-fragment counters, last-sent steps, every rank's
+data cursor, AdamW step counts, world size, plan digest and stop reason.
+
+Reading takes the newest checkpoint that decodes and verifies; a corrupt, truncated, foreign or
+forged one is skipped with a ``checkpoint_unusable`` warning (the learner then starts from the
+latest globals). Whether its parameters are used is the learner's decision (staleness bound).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ddiloco_geo import codec
+from ddiloco_geo.core import layout
+from ddiloco_geo.core.errors import CodecError, NotFoundError
+from ddiloco_geo.storage import Store
+
+log = logging.getLogger(__name__)
+
+CKPT_PARAM = "param."
+CKPT_EXP_AVG = "adam.exp_avg."
+CKPT_EXP_AVG_SQ = "adam.exp_avg_sq."
+
+
+def checkpoint_tensors(params: dict[str, torch.Tensor], model: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """(tensors to store, AdamW step count per parameter name)."""
+    tensors = {CKPT_PARAM + n: t for n, t in params.items()}
+    adam_steps = {}
+    for name, param in model.named_parameters():
+        st = optimizer.state.get(param)
+        if st:
+            tensors[CKPT_EXP_AVG + name] = st["exp_avg"].detach().float().cpu()
+            tensors[CKPT_EXP_AVG_SQ + name] = st["exp_avg_sq"].detach().float().cpu()
+            adam_steps[name] = float(st["step"])
+    return tensors, adam_steps
+
+
+def write_checkpoint(store: Store, learner_id: str, tensors: dict[str, torch.Tensor], header: codec.Header,
+                     signer: Any = None) -> str:
+    """Create-only, at the first free number; returns the key."""
+    data = codec.encode(tensors, header, codec="fp32", signer=signer)
+    number = len(store.list(layout.checkpoints_dir(learner_id)))
+    while not store.put_if_absent(layout.checkpoint_key(learner_id, number), data):
+        number += 1
+    key = layout.checkpoint_key(learner_id, number)
+    log.info("checkpoint_written learner=%s key=%s bytes=%d", learner_id, key, len(data))
+    return key
+
+
+def latest_checkpoint(store: Store, learner_id: str, run_id: str, *, verifier: Any = None,
+                      require_signature: bool = False) -> tuple[str, codec.Header, dict[str, torch.Tensor]] | None:
+    """The newest checkpoint of this learner that decodes and verifies, or None."""
+    for key in reversed(store.list(layout.checkpoints_dir(learner_id))):
+        try:
+            header, tensors = codec.decode(
+                store.get(key), kind="checkpoint", run_id=run_id, verify=verifier,
+                require_signature=require_signature,
+                expected_signer=f"learner:{learner_id}" if verifier is not None else None)
+            return key, header, tensors
+        except (CodecError, NotFoundError) as exc:
+            log.warning("checkpoint_unusable key=%s reason=%s", key, exc)
+    return None
+
+
+def params_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n[len(CKPT_PARAM):]: t for n, t in tensors.items() if n.startswith(CKPT_PARAM)}
+
+
+def moments_of(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return tensors[CKPT_EXP_AVG + name], tensors[CKPT_EXP_AVG_SQ + name]

@@ -1,0 +1,454 @@
+"""The learner: an inner AdamW loop that never waits on the network.
+
+Decoupled DiLoCo (arXiv 2604.21428, "learner loop"). Each inner step:
+
+1. adopt any global fragment versions the background poller (:mod:`~ddiloco_geo.learner.poller`)
+   has already downloaded (overwrite by default, ``alpha`` mixing optional), reset that fragment's
+   counters, keep the AdamW state;
+2. take one AdamW step on the learner's own data shard (under ``torchrun`` with N processes, an
+   ordinary DDP step, :mod:`~ddiloco_geo.learner.ranks`);
+3. count steps and tokens for every fragment since it was last adopted;
+4. for each fragment due at this step (``fragments.Schedule``: p is due when
+   (t − offset_p) mod H == 0), compute the pseudo-gradient ``base − local`` on the CPU and hand it
+   to the bounded background uploader (:mod:`~ddiloco_geo.learner.uploader`), which encodes it with
+   the run's codec, the learner's vector clock, counters and base version, and writes it create-only.
+
+Only rank 0 talks to storage. Nothing in the step waits for storage: polling, downloads, encoding,
+uploads and heartbeats run in threads. On SIGTERM (or a preemption notice) the learner stops
+stepping and :meth:`Learner.finish` shuts down in this order: flush a delta for every fragment
+with unsent work, drain the uploader within ``flush_deadline_s``, write the checkpoint
+(:mod:`~ddiloco_geo.learner.checkpoint`) and the signed exit record, stop and join the poller and
+heartbeat threads. A killed learner loses only its unflushed work. The caller owns the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ddiloco_geo import codec, protocol
+from ddiloco_geo.core import data as datamod
+from ddiloco_geo.core import layout
+from ddiloco_geo.core import model as modelmod
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.config import DataConfig, FragmentConfig, LearnerConfig, ModelConfig, RunConfig, SecurityConfig
+from ddiloco_geo.core.errors import DdilocoError, NotFoundError, StorageError
+from ddiloco_geo.core.fragments import Schedule
+from ddiloco_geo.core.signing import learner_keys, sign_record
+from ddiloco_geo.learner import checkpoint as ckpt
+from ddiloco_geo.learner import ranks
+from ddiloco_geo.learner.poller import GlobalPoller
+from ddiloco_geo.learner.schedule import lr_schedule
+from ddiloco_geo.learner.uploader import Outgoing, Uploader
+from ddiloco_geo.metrics import Registry, export_store_stats, learner_metrics
+from ddiloco_geo.storage import Store
+
+log = logging.getLogger(__name__)
+
+
+class Learner:
+    """One learner (one rank of it under torchrun). Takes the settings sections it uses."""
+
+    def __init__(self, store: Store | None, *, learner: LearnerConfig, model: ModelConfig, data: DataConfig,
+                 run: RunConfig, fragments: FragmentConfig, security: SecurityConfig, run_id: str,
+                 max_staleness: int, rank: int = 0, world: int = 1, inline_io: bool = False) -> None:
+        self.cfg = learner
+        self.model_cfg, self.data_cfg, self.run_cfg, self.fragments_cfg = model, data, run, fragments
+        self.run_id, self.max_staleness = run_id, max_staleness
+        self.store = store
+        self.rank, self.world = rank, world
+        self.inline_io = inline_io
+        self.learner_id = self.cfg.id or default_learner_id()
+        layout.check_id(self.learner_id, "learner id")
+        self.signer, self.global_verifier, self.own_verifier = learner_keys(security, self.learner_id)
+        self.require_signatures = security.required()
+        self.device = torch.device(self.cfg.device)
+        shard, num_shards = (int(x) for x in data.shard.split("/"))
+        torch.manual_seed(model.seed + 1000 * shard + rank)
+        self.model = modelmod.build_model(model).to(self.device)
+        corpus = datamod.load_corpus(data.corpus, max_bytes=data.max_bytes)
+        train, self.eval_data = datamod.split(corpus, data.eval_ratio)
+        self.reader = datamod.ShardReader(
+            train, shard=shard * world + rank, num_shards=num_shards * world,
+            block_size=model.block_size, batch_size=self.cfg.batch_size, seed=model.seed + shard,
+        )
+        self.spec: protocol.RunSpec | None = None
+        self.stop_reason: str | None = None
+        self.history: list[dict[str, float]] = []
+        self.step = 0
+        self.tokens_total = 0
+        self.registry = Registry()
+        self.metrics = learner_metrics(self.registry)
+        self.closed = False
+
+    @classmethod
+    def from_settings(cls, settings, store: Store | None, **kwargs: Any) -> "Learner":
+        return cls(store, learner=settings.learner, model=settings.model, data=settings.data, run=settings.run,
+                   fragments=settings.fragments, security=settings.security, run_id=settings.run_id,
+                   max_staleness=settings.syncer.max_staleness, **kwargs)
+
+    # --- joining ---------------------------------------------------------------------------------
+
+    def join(self) -> None:
+        """The only wait: for the run spec and a first version of every fragment."""
+        local_spec, _ = protocol.spec_from(run_id=self.run_id, model=self.model_cfg, fragments=self.fragments_cfg,
+                                           run=self.run_cfg)
+        index: dict[int, int] = {}
+        if self.rank == 0:
+            spec = protocol.wait_for_spec(self.store, self.cfg.join_timeout_s)
+            if spec.plan.digest() != local_spec.plan.digest():
+                raise DdilocoError(
+                    f"run {spec.run_id} uses fragment plan {spec.plan.digest()[:12]} (model {spec.model}) "
+                    f"but this learner's model gives {local_spec.plan.digest()[:12]}: start it with the run's model settings"
+                )
+            spec.check_settings(self.run_cfg)
+            self.spec = spec
+            index = self._wait_for_globals(spec)
+        else:
+            self.spec = local_spec
+        P = self.spec.plan.num_fragments
+        self.base: dict[int, dict[str, torch.Tensor]] = {}
+        self.base_version = [0] * P
+        self.clock = VectorClock()
+        if self.rank == 0:
+            for p in range(P):
+                header, tensors = self._read_global(p, index[p])
+                modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()})
+                self.base[p] = tensors
+                self.base_version[p] = index[p]
+                self.clock = self.clock.merge(header.clock)
+        ranks.broadcast_model(self.model, self.world)
+        self.schedule = Schedule(P, self.spec.sync_every)
+        self.c_steps = [0] * P
+        self.c_tokens = [0] * P
+        self.last_sent_step = [0] * P
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
+                                           betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
+        self.resumed_from = self._resume(index)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else None
+        if self.rank == 0:
+            self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
+                                     codec_name=self.spec.codec, block_size=self.spec.quant_block,
+                                     first_seq=protocol.next_delta_seq(self.store, self.learner_id),
+                                     inline=self.inline_io, metrics=self.metrics, signer=self.signer)
+            self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
+                                       dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled,
+                                       verify=self.global_verifier, require_signature=self.require_signatures)
+        log.info("learner_joined learner=%s run=%s fragments=%d versions=%s world=%d", self.learner_id,
+                 self.spec.run_id, P, self.base_version, self.world)
+
+    def _wait_for_globals(self, spec: protocol.RunSpec) -> dict[int, int]:
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        while True:
+            index, _ = protocol.read_index(self.store)
+            if all(p in index for p in range(spec.plan.num_fragments)):
+                return index
+            if time.monotonic() > deadline:
+                raise DdilocoError(f"run {spec.run_id} has no global version for every fragment yet: is a syncer running?")
+            time.sleep(0.5)
+
+    def _read_global(self, p: int, version: int):
+        return protocol.read_global(self.store, self.spec, p, version, verify=self.global_verifier,
+                                    require_signature=self.require_signatures)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def write_checkpoint(self, cursors: list[dict]) -> str | None:
+        """Local parameters, AdamW moments, counters, data cursors and clock (rank 0, create-only)."""
+        names = [n for n, _ in self.model.named_parameters()]
+        tensors, adam_steps = ckpt.checkpoint_tensors(modelmod.get_tensors(self.model, names), self.model,
+                                                      self.optimizer)
+        header = codec.Header(
+            kind="checkpoint", run_id=self.spec.run_id, learner=self.learner_id, seq=self.uploader.next_seq,
+            clock=self.clock, num_steps=self.step, num_tokens=self.tokens_total,
+            extra={"base_version": self.base_version, "c_steps": self.c_steps, "c_tokens": self.c_tokens,
+                   "last_sent_step": self.last_sent_step, "cursors": cursors, "adam_steps": adam_steps,
+                   "world": self.world, "plan_digest": self.spec.plan.digest(), "reason": self.stop_reason},
+        )
+        return ckpt.write_checkpoint(self.store, self.learner_id, tensors, header, signer=self.signer)
+
+    def _resume(self, index: dict[int, int]) -> str | None:
+        """Continue from this learner's newest checkpoint: its data cursors, step count and AdamW
+        moments always; its parameters and counters too when its base versions are within the
+        syncer's staleness bound of the current globals (else it keeps the latest globals)."""
+        found = None
+        if self.rank == 0:
+            found = ckpt.latest_checkpoint(self.store, self.learner_id, self.spec.run_id, verifier=self.own_verifier,
+                                           require_signature=self.require_signatures)
+        plan = None
+        if found is not None:
+            key, header, _ = found
+            ex = header.extra
+            usable = ex.get("plan_digest") == self.spec.plan.digest() and ex.get("world") == self.world
+            compatible = usable and all(int(ex["base_version"][p]) >= index[p] - self.max_staleness for p in index)
+            if not usable:
+                log.warning("checkpoint_ignored key=%s reason=plan_or_world_changed", key)
+            else:
+                plan = {"key": key, "compatible": compatible, "step": header.num_steps,
+                        "tokens": header.num_tokens, **{k: ex[k] for k in
+                        ("cursors", "c_steps", "c_tokens", "last_sent_step", "adam_steps", "base_version")}}
+        info = ranks.broadcast_object(plan, self.world)
+        if info is None:
+            return None
+        self.reader.load_state_dict(info["cursors"][self.rank])
+        self.step, self.tokens_total = int(info["step"]), int(info["tokens"])
+        tensors = found[2] if found is not None else {}
+        if info["compatible"]:
+            if self.rank == 0:
+                modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in ckpt.params_of(tensors).items()})
+                self.clock = self.clock.merge(found[1].clock)
+                for p, v in enumerate(info["base_version"]):
+                    if int(v) != self.base_version[p]:
+                        self.base[p] = self._read_global(p, int(v))[1]
+                        self.base_version[p] = int(v)
+            ranks.broadcast_model(self.model, self.world)
+            self.c_steps = [int(x) for x in info["c_steps"]]
+            self.c_tokens = [int(x) for x in info["c_tokens"]]
+            self.last_sent_step = [int(x) for x in info["last_sent_step"]]
+        self._restore_adam(tensors, info["adam_steps"])
+        log.info("learner_resumed learner=%s checkpoint=%s step=%d params=%s", self.learner_id, info["key"],
+                 self.step, "checkpoint" if info["compatible"] else "latest globals")
+        return info["key"]
+
+    def _restore_adam(self, tensors: dict[str, torch.Tensor], adam_steps: dict[str, float]) -> None:
+        for name, param in self.model.named_parameters():
+            if name not in adam_steps:
+                continue
+            if self.rank == 0:
+                moments = [t.to(self.device) for t in ckpt.moments_of(tensors, name)]
+            else:
+                moments = [torch.empty_like(param, dtype=torch.float32) for _ in range(2)]
+            moments = [ranks.broadcast_tensor(t, self.world).to(param.dtype) for t in moments]
+            self.optimizer.state[param] = {"step": torch.tensor(float(adam_steps[name])),
+                                           "exp_avg": moments[0], "exp_avg_sq": moments[1]}
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def adopt(self, adoptions: dict) -> None:
+        if adoptions:
+            self.metrics.globals_adopted_total.inc(len(adoptions))
+        for p, (version, tensors, clock) in adoptions.items():
+            modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()}, alpha=self.cfg.alpha)
+            if self.rank == 0:
+                self.base[p] = tensors
+                self.base_version[p] = version
+                self.clock = self.clock.merge(clock)
+            self.c_steps[p] = 0
+            self.c_tokens[p] = 0
+            self.last_sent_step[p] = self.step
+
+    def lr_at(self, step: int) -> float:
+        return lr_schedule(step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.max_steps)
+
+    def train_step(self) -> float:
+        x, y, num_tokens = self.reader.next_batch()
+        x, y = x.to(self.device), y.to(self.device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        net = self.ddp or self.model
+        _, loss = net(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        step_tokens = num_tokens * self.world
+        self.tokens_total += step_tokens
+        for p in range(len(self.c_steps)):
+            self.c_steps[p] += 1
+            self.c_tokens[p] += step_tokens
+        return float(loss.detach())
+
+    def send(self, p: int, step_s: float) -> None:
+        if self.c_steps[p] < 1 or self.last_sent_step[p] == self.step:
+            return
+        names = self.spec.plan.fragments[p]
+        local = modelmod.get_tensors(self.model, names)
+        pseudo_grad = {n: self.base[p][n] - local[n] for n in names}
+        self.uploader.submit(Outgoing(p, pseudo_grad, self.base_version[p], self.c_steps[p], self.c_tokens[p],
+                                      self.step, step_s, self.clock))
+        self.last_sent_step[p] = self.step
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            log.info("learner_stop_requested learner=%s reason=%s step=%d", self.learner_id, reason, self.step)
+
+    def run(self) -> dict[str, Any]:
+        self.start_clock()
+        while self.step_once():
+            pass
+        return self.finish()
+
+    def start_clock(self) -> None:
+        self.started = time.monotonic()
+        self.step_ema: float | None = None
+        self.loss_ema: float | None = None
+        self._last_hb = 0.0
+        self._hb_token: str | None = None
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self.train_s: float | None = None  # set when the learner stops stepping
+        if self.rank == 0 and not self.inline_io:
+            self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+            self._hb_thread.start()
+
+    def step_once(self, step_s: float | None = None) -> bool:
+        """One inner step with its adoptions and sends; False once the learner should stop.
+
+        ``step_s`` overrides the measured step time (in-process harnesses run on simulated time).
+        """
+        if self.step >= self.cfg.max_steps:
+            self.request_stop("max_steps")
+        if self.cfg.max_time_s and time.monotonic() - self.started > self.cfg.max_time_s:
+            self.request_stop("max_time")
+        adoptions = self.poller.take() if self.rank == 0 else {}
+        adoptions, stop = ranks.sync_control(adoptions, self.stop_reason is not None, self.rank, self.world,
+                                             self.spec.plan)
+        self.adopt(adoptions)
+        if stop:
+            return False
+        t0 = time.perf_counter()
+        loss = self.train_step()
+        if self.cfg.slow_step_s:
+            time.sleep(self.cfg.slow_step_s)
+        dt = time.perf_counter() - t0 if step_s is None else step_s
+        self.step_ema = dt if self.step_ema is None else 0.9 * self.step_ema + 0.1 * dt
+        self._observe_step(dt, loss)
+        self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        if self.rank == 0:
+            for p in self.schedule.due(self.step) if self.cfg.sync_enabled else ():
+                self.send(p, self.step_ema)
+            if self.step % self.cfg.log_every == 0:
+                self.history.append({"step": self.step, "tokens": self.tokens_total, "loss": self.loss_ema,
+                                     "time": time.time()})
+                log.info("learner_step learner=%s step=%d loss=%.4f tok_s=%.0f versions=%d queue=%d",
+                         self.learner_id, self.step, self.loss_ema,
+                         self.tokens_total / max(1e-9, time.monotonic() - self.started),
+                         sum(self.base_version), self.uploader.depth())
+            if self.inline_io and time.monotonic() - self._last_hb > self.cfg.heartbeat_s:
+                self._last_hb = time.monotonic()
+                self._heartbeat(self.step_ema)
+        return True
+
+    def _heartbeat_loop(self) -> None:
+        """Heartbeats from their own thread: a slow link or a storage retry never delays a step."""
+        while not self._hb_stop.wait(self.cfg.heartbeat_s):
+            self._heartbeat(self.step_ema)
+
+    def _observe_step(self, dt: float, loss: float) -> None:
+        m = self.metrics
+        m.step_seconds.observe(dt)
+        m.steps_total.inc()
+        m.tokens_total.set_total(self.tokens_total)
+        m.loss.set(loss)
+        m.tokens_per_second.set(self.tokens_total / max(1e-9, time.monotonic() - self.started))
+        if self.rank == 0:
+            m.upload_queue_depth.set(self.uploader.depth())
+            for p, lag in list(self.poller.lag.items()):
+                m.adoption_lag_versions.set(lag, fragment=str(p))
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": self.stop_reason is None, "learner": self.learner_id, "step": self.step,
+                "stop_reason": self.stop_reason}
+
+    # --- shutdown --------------------------------------------------------------------------------
+
+    def finish(self) -> dict[str, Any]:
+        """Shut down in order: flush a delta for every fragment with unsent work and drain the
+        uploader, then checkpoint and deregister, within ``flush_deadline_s``; stop and join the
+        threads. Deltas go first: they carry the work into the model; a checkpoint that cannot
+        finish in time is simply not created (objects are create-only), and a restart then starts
+        from the latest globals. Idempotent."""
+        if self.closed:
+            return {}
+        self.closed = True
+        cursors = ranks.gather_objects(self.reader.state_dict(), self.world) if self.cfg.checkpoint_on_exit else []
+        if self.rank != 0:
+            return {}
+        self.train_s = time.monotonic() - self.started  # throughput excludes the exit path
+        t0 = time.monotonic()
+        try:
+            for p in range(len(self.c_steps)) if self.cfg.sync_enabled else ():
+                if self.step > self.last_sent_step[p]:
+                    self.send(p, 0.0)
+            flushed = self.uploader.close(self.cfg.flush_deadline_s)
+            self.poller.stop()
+            checkpoint = self._exit_checkpoint(cursors, t0)
+        finally:
+            self._hb_stop.set()
+            if self._hb_thread is not None:
+                self._hb_thread.join(timeout=self.cfg.heartbeat_s + 5)
+        summary = self._status(None)
+        summary.update({"reason": self.stop_reason, "flushed": flushed, "flush_s": time.monotonic() - t0,
+                        "checkpoint": checkpoint, "resumed_from": self.resumed_from, "history": self.history})
+        self._write_exit_record(summary)
+        log.info("learner_exit learner=%s reason=%s steps=%d tokens=%d deltas_sent=%d flushed=%s",
+                 self.learner_id, self.stop_reason, self.step, self.tokens_total,
+                 self.uploader.counters["deltas_sent"], flushed)
+        return summary
+
+    def _exit_checkpoint(self, cursors: list[dict], t0: float) -> str | None:
+        if not self.cfg.checkpoint_on_exit:
+            return None
+        checkpoint = None
+        try:
+            checkpoint = self.write_checkpoint(cursors)
+        except StorageError as exc:
+            log.warning("checkpoint_failed error=%s", exc)
+        if time.monotonic() - t0 > self.cfg.flush_deadline_s:
+            log.warning("checkpoint_late learner=%s exit_s=%.1f deadline_s=%.1f: a slow link; consider "
+                        "a longer flush deadline or learner.checkpoint_on_exit=false", self.learner_id,
+                        time.monotonic() - t0, self.cfg.flush_deadline_s)
+        return checkpoint
+
+    def _write_exit_record(self, summary: dict[str, Any]) -> None:
+        try:
+            token = None
+            try:
+                _, token = self.store.read_token(layout.exit_key(self.learner_id))
+            except NotFoundError:
+                pass
+            self.store.cas(layout.exit_key(self.learner_id),
+                           json.dumps(sign_record(summary, self.signer), default=str).encode(), token)
+            self._heartbeat(None, state="exited")
+        except StorageError as exc:
+            log.warning("exit_record_failed error=%s", exc)
+
+    def _status(self, step_s: float | None, state: str = "running") -> dict:
+        elapsed = max(1e-9, self.train_s if self.train_s is not None else time.monotonic() - self.started)
+        return {
+            "learner": self.learner_id, "region": self.cfg.region, "state": state, "step": self.step,
+            "tokens": self.tokens_total, "tokens_per_s": self.tokens_total / elapsed, "loss": self.loss_ema,
+            "step_s": step_s, "versions": self.base_version, "time": time.time(), "host": socket.gethostname(),
+            "pid": os.getpid(), "world_size": self.world, "uploads": dict(self.uploader.counters),
+            "upload_queue": self.uploader.depth(), "poller": dict(self.poller.counters),
+            "storage": self.store.stats.snapshot(),
+        }
+
+    def _heartbeat(self, step_s: float | None, state: str = "running") -> None:
+        export_store_stats(self.registry, "learner", self.store.stats.snapshot())
+        body = json.dumps(sign_record(self._status(step_s, state), self.signer), default=str).encode()
+        key = layout.heartbeat_key(self.learner_id)
+        try:
+            self._hb_token = self.store.cas(key, body, self._hb_token)
+        except StorageError:  # a stale token (e.g. an earlier incarnation wrote it): re-read, next beat wins
+            try:
+                _, self._hb_token = self.store.read_token(key)
+            except StorageError:
+                self._hb_token = None
+
+
+def default_learner_id() -> str:
+    host = re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40].strip("-") or "host"
+    return f"{host}-{os.getpid()}"

@@ -1,0 +1,87 @@
+"""A learner under ``torchrun``: its ranks are one ordinary data-parallel job (gloo on CPU, nccl on
+GPU). Only rank 0 talks to storage; what it reads (the model, adoptions, the stop flag, the
+resume plan) reaches the other ranks through these collectives, among the learner's own ranks
+only, never from a bucket. With one process (``world == 1``) every function is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.fragments import FragmentPlan
+
+
+def init_from_env(device: str) -> tuple[int, int, str]:
+    """(rank, world, device) from torchrun's environment; joins the process group when world > 1."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, device
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shutdown(world: int) -> None:
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def broadcast_model(model: torch.nn.Module, world: int) -> None:
+    if world > 1:
+        for t in model.parameters():
+            dist.broadcast(t.data, src=0)
+
+
+def broadcast_tensor(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.broadcast(t, src=0)
+    return t
+
+
+def broadcast_object(obj: Any, world: int) -> Any:
+    """Rank 0's object on every rank (a JSON-like plan; never bucket data on the wire)."""
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(obj: Any, world: int) -> list:
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sync_control(adoptions: dict, stop: bool, rank: int, world: int, plan: FragmentPlan) -> tuple[dict, bool]:
+    """Rank 0 tells every rank which fragment versions to adopt this step and whether to stop, so
+    every rank applies the same globals at the same step."""
+    if world == 1:
+        return adoptions, stop
+    P = plan.num_fragments
+    ctrl = torch.full((P + 1,), -1, dtype=torch.int64)
+    if rank == 0:
+        for p, (v, _, _) in adoptions.items():
+            ctrl[p] = v
+        ctrl[P] = int(stop)
+    dist.broadcast(ctrl, src=0)
+    out = {}
+    for p in range(P):
+        if ctrl[p] < 0:
+            continue
+        names = plan.fragments[p]
+        if rank == 0:
+            tensors = adoptions[p][1]
+        else:
+            tensors = {n: torch.empty(plan.shapes[n], dtype=torch.float32) for n in names}
+        for n in names:
+            dist.broadcast(tensors[n], src=0)
+        out[p] = (int(ctrl[p]), tensors, adoptions[p][2] if rank == 0 else VectorClock())
+    return out, bool(ctrl[P].item())

@@ -1,0 +1,160 @@
+"""The learner's bounded background uploader: encodes and writes deltas create-only, in order.
+
+A learner step never waits for it. If the queue is full, a queued delta for the same fragment is
+replaced (a delta's pseudo-gradient and counters are cumulative since the learner last adopted that
+fragment, so the newer one contains the older: nothing is lost, ``deltas_coalesced``); otherwise the
+oldest is dropped and counted (``deltas_dropped``). A write that fails beyond the store's retries is
+kept and retried with backoff. A key that already exists is either our own earlier write whose
+response was lost (same bytes: done) or an earlier incarnation's (next sequence number).
+
+Shutdown: :meth:`Uploader.close` stops intake and drains within a deadline, then joins the thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddiloco_geo import codec, protocol
+from ddiloco_geo.core import layout
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.errors import StorageError
+from ddiloco_geo.metrics import LearnerMetrics, Registry, learner_metrics
+from ddiloco_geo.storage import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outgoing:
+    fragment: int
+    pseudo_grad: dict[str, torch.Tensor]
+    base_version: int
+    num_steps: int
+    num_tokens: int
+    step: int
+    step_s: float
+    clock: VectorClock
+
+
+class Uploader:
+    """Bounded background uploader: encodes and writes deltas create-only, in order."""
+
+    def __init__(self, store: Store, spec: protocol.RunSpec, learner: str, *, maxsize: int,
+                 codec_name: str, block_size: int, first_seq: int, inline: bool = False,
+                 metrics: LearnerMetrics | None = None, signer: Any = None) -> None:
+        self.signer = signer
+        self.store, self.spec, self.learner = store, spec, learner
+        self.inline = inline
+        self.metrics = metrics or learner_metrics(Registry())
+        self.maxsize, self.codec_name, self.block_size = maxsize, codec_name, block_size
+        self.next_seq = first_seq
+        self.queue: collections.deque[Outgoing] = collections.deque()
+        self.cond = threading.Condition()
+        self.busy = False
+        self.closed = False
+        self.abandoned = False  # set when close() ran out of time: the thread exits after its current write
+        self.counters = {"deltas_sent": 0, "deltas_coalesced": 0, "deltas_dropped": 0, "upload_errors": 0,
+                         "delta_bytes": 0}
+        self.thread: threading.Thread | None = None
+        if not inline:
+            self.thread = threading.Thread(target=self._loop, name="uploader", daemon=True)
+            self.thread.start()
+
+    def submit(self, item: Outgoing) -> None:
+        if self.inline:  # in-process harnesses: write now, on the caller's thread
+            self._upload(item)
+            return
+        with self.cond:
+            for i, queued in enumerate(self.queue):
+                if queued.fragment == item.fragment:
+                    self.queue[i] = item
+                    self.counters["deltas_coalesced"] += 1
+                    self.metrics.upload_drops_total.inc(reason="coalesced")
+                    return
+            if len(self.queue) >= self.maxsize:
+                dropped = self.queue.popleft()
+                self.counters["deltas_dropped"] += 1
+                self.metrics.upload_drops_total.inc(reason="dropped")
+                log.warning("delta_dropped fragment=%d reason=upload_queue_full", dropped.fragment)
+            self.queue.append(item)
+            self.cond.notify()
+
+    def depth(self) -> int:
+        with self.cond:
+            return len(self.queue) + int(self.busy)
+
+    def _loop(self) -> None:
+        backoff = 0.5
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                if self.abandoned or (not self.queue and self.closed):
+                    return
+                item = self.queue[0]
+                self.busy = True
+            try:
+                self._upload(item)
+                backoff = 0.5
+                with self.cond:
+                    if self.queue and self.queue[0] is item:
+                        self.queue.popleft()
+            except StorageError as exc:  # outage beyond the store's retries: keep it, try again
+                self.counters["upload_errors"] += 1
+                log.warning("delta_upload_failed fragment=%d error=%s action=retry_in=%.1fs", item.fragment, exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+            finally:
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
+
+    def _upload(self, item: Outgoing) -> None:
+        while True:
+            seq = self.next_seq
+            header = codec.Header(
+                kind="delta", run_id=self.spec.run_id, fragment=item.fragment, learner=self.learner, seq=seq,
+                base_version=item.base_version, clock=item.clock.merge(VectorClock({self.learner: seq + 1})),
+                num_steps=item.num_steps, num_tokens=item.num_tokens,
+                extra={"step": item.step, "step_s": item.step_s},
+            )
+            data = codec.encode(item.pseudo_grad, header, codec=self.codec_name, block_size=self.block_size,
+                                signer=self.signer)
+            key = layout.delta_key(self.learner, seq, item.fragment)
+            if self.store.put_if_absent(key, data):
+                break
+            # the key exists: our own write whose response was lost, or an earlier incarnation's
+            if self.store.get(key) == data:
+                break
+            self.next_seq += 1
+        self.next_seq = seq + 1
+        self.counters["deltas_sent"] += 1
+        self.counters["delta_bytes"] += len(data)
+        self.metrics.deltas_sent_total.inc(fragment=str(item.fragment))
+        self.metrics.delta_bytes_total.inc(len(data))
+
+    def close(self, deadline_s: float) -> bool:
+        """Stop intake, drain within the deadline, join the thread; True if everything was written.
+        Idempotent."""
+        if self.inline or self.thread is None:
+            return True
+        end = time.monotonic() + deadline_s
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+            while (self.queue or self.busy) and time.monotonic() < end:
+                self.cond.wait(timeout=max(0.0, end - time.monotonic()))
+            left = len(self.queue)
+            self.abandoned = True
+            self.cond.notify_all()
+        self.thread.join(timeout=2.0)  # at most the write in progress
+        if left:
+            log.warning("learner_flush_incomplete deltas_left=%d deadline_s=%.1f", left, deadline_s)
+        return left == 0

@@ -1,0 +1,115 @@
+"""Rounds: when a fragment is merged (quorum, adaptive grace, merge spacing) and what a merge is.
+
+Decoupled DiLoCo (arXiv 2604.21428), per fragment p:
+
+1. **quorum**: at least K distinct learners have a pending delta (ξ_quorum = time from the first
+   pending delta to quorum, EMA-smoothed);
+2. **adaptive grace window** ξ_grace = γ · max(0, τ·ξ_step − ξ_quorum − ξ_sync): stragglers join only
+   inside the slack the learners' τ-step overlap leaves (ξ_step from the step times in delta
+   headers, ξ_sync the time a merge and publish take);
+3. **merge spacing**: at most one merge of a fragment per ``merge_spacing`` fragment periods
+   (H · ξ_step). With K = 1 and learners whose step counts drift apart, merging each arrival alone
+   steps the outer Nesterov optimizer M times a period with single contributors, which over-drives
+   it (PAPER-NOTES 5.6); learners never wait for it.
+
+A merge (:func:`build_merge`): of several deltas of one learner on the same base the newest
+supersedes the older (deltas are cumulative since the learner adopted that base); each delta is
+**anchored** at the current global, Δ_m = (Θ_current − Θ_base) + pseudo_grad_m; weights are
+w = tokens · (tokens / steps); token-weighted RDA (weighted mean for embeddings) or a robust
+average; then one outer step (:func:`ddiloco_geo.core.outer.merge_and_step`). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ddiloco_geo.core import merge
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.merge import anchor
+from ddiloco_geo.core.outer import OuterOptimizer, merge_and_step
+from ddiloco_geo.syncer.state import Ema, FragmentState, PendingDelta
+
+
+@dataclass
+class RoundPolicy:
+    """Quorum K, grace γ and spacing, over the syncer's EMA-smoothed timings."""
+
+    quorum: int
+    grace_gamma: float
+    merge_spacing: float
+    overlap: int        # τ
+    sync_every: int     # H
+    ema_step: Ema
+    ema_quorum: Ema
+    ema_sync: Ema
+
+    def grace_s(self) -> float:
+        slack = self.overlap * self.ema_step.get() - self.ema_quorum.get() - self.ema_sync.get()
+        return self.grace_gamma * max(0.0, slack)
+
+    def ready(self, state: FragmentState, now: float, draining: bool = False,
+              on_quorum: Callable[[float], None] | None = None) -> bool:
+        """Quorum reached and the grace window spent (or draining with anything pending)."""
+        if not state.pending:
+            return False
+        if draining:
+            return True
+        if len({d.learner for d in state.pending}) < self.quorum:
+            return False
+        if state.quorum_s is None:
+            state.quorum_s = now
+            waited = now - (state.round_open_s or now)
+            self.ema_quorum.update(waited)
+            if on_quorum is not None:
+                on_quorum(waited)
+        if now < state.quorum_s + self.grace_s():
+            return False
+        spacing = self.merge_spacing * self.sync_every * self.ema_step.get()
+        return state.last_merge_s is None or now >= state.last_merge_s + spacing
+
+
+def select_contributors(pending: list[PendingDelta]) -> tuple[list[PendingDelta], list[PendingDelta]]:
+    """(contributors, superseded): the newest delta per (learner, base version)."""
+    newest: dict[tuple[str, int], PendingDelta] = {}
+    superseded = []
+    for d in sorted(pending, key=lambda d: (d.learner, d.seq)):
+        slot = (d.learner, d.header.base_version)
+        if slot in newest:
+            superseded.append(newest[slot])
+        newest[slot] = d
+    return list(newest.values()), superseded
+
+
+@dataclass
+class Merge:
+    params: dict[str, torch.Tensor]
+    outer: OuterOptimizer
+    clock: VectorClock
+    entries: list[dict[str, Any]]
+
+
+def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: dict[int, dict[str, torch.Tensor]],
+                *, is_embedding: Callable[[str], bool], outer_kwargs: dict[str, Any], robust: str,
+                trim_ratio: float) -> Merge | None:
+    """Anchor, weigh, merge and step; None when no contributor carries weight.
+
+    ``bases`` maps each contributor's base version to that global's parameters.
+    """
+    anchored, weights, entries = [], [], []
+    for d in contributors:
+        anchored.append(anchor(state.params, bases[d.header.base_version], d.pseudo_grad))
+        w = merge.token_weight(d.header.num_tokens, d.header.num_steps)
+        weights.append(w)
+        entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
+                        "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w})
+    if not anchored or sum(weights) <= 0:
+        return None
+    params, outer = merge_and_step(state.params, state.outer, anchored, weights, is_embedding,
+                                   outer_kwargs, robust, trim_ratio)
+    clock = state.clock
+    for d in contributors:
+        clock = clock.merge(d.header.clock)
+    return Merge(params, outer, clock, entries)

@@ -1,0 +1,97 @@
+"""What the syncer holds per fragment, and how it loads a published version back from the bucket.
+
+A :class:`FragmentState` is the syncer's view of one fragment it owns: the current global
+(version, parameters, vector clock), its outer-optimizer state, the update codec's error-feedback
+residual, the per-learner sequence numbers already accounted for (``consumed``), the deltas waiting
+for a merge, a few recent versions kept for anchoring stale deltas, and the round timings.
+
+:func:`load_fragment` rebuilds a fragment's state from a published global and the state object
+its header names (outer momentum, residual, cursors): a restarted syncer, or the loser of a
+publish race, continues exactly where the winner left off.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddiloco_geo import codec, protocol
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.outer import OuterOptimizer
+from ddiloco_geo.protocol.publish import RESIDUAL, outer_state_from_wire
+from ddiloco_geo.storage import Store
+
+HISTORY_VERSIONS = 4  # in-memory globals kept for anchoring; older bases are read from the bucket
+
+
+@dataclass
+class PendingDelta:
+    key: str
+    learner: str
+    seq: int
+    header: codec.Header
+    pseudo_grad: dict[str, torch.Tensor]
+    arrived_s: float
+
+
+@dataclass
+class FragmentState:
+    fragment: int
+    version: int
+    params: dict[str, torch.Tensor]
+    outer: OuterOptimizer
+    clock: VectorClock = field(default_factory=VectorClock)
+    consumed: dict[str, int] = field(default_factory=dict)  # learner -> highest seq accounted for
+    pending: list[PendingDelta] = field(default_factory=list)
+    history: OrderedDict = field(default_factory=OrderedDict)  # version -> params
+    norms: dict = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=8)))  # learner -> per-step norms
+    round_open_s: float | None = None
+    quorum_s: float | None = None
+    last_merge_s: float | None = None
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback of update objects
+
+    def remember(self, version: int, params: dict[str, torch.Tensor]) -> None:
+        self.history[version] = params
+        while len(self.history) > HISTORY_VERSIONS:
+            self.history.popitem(last=False)
+
+
+class Ema:
+    """Exponential moving average of a timing (``decay`` is the weight on the old value)."""
+
+    def __init__(self, decay: float, value: float | None = None) -> None:
+        self.decay = decay
+        self.value = value
+
+    def update(self, x: float) -> float:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+        return self.value
+
+    def get(self, default: float = 0.0) -> float:
+        return default if self.value is None else self.value
+
+
+def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: int, *,
+                  outer_kwargs: dict[str, Any], verifier: Any = None,
+                  require_signatures: bool = False) -> tuple[FragmentState, str | None]:
+    """A published version as a fresh :class:`FragmentState`, and the state key it names."""
+    header, params = protocol.read_global(store, spec, fragment, version, verify=verifier,
+                                          require_signature=require_signatures)
+    outer = OuterOptimizer(**outer_kwargs)
+    consumed: dict[str, int] = {}
+    residual: dict[str, torch.Tensor] = {}
+    state_key = header.extra.get("state_key")
+    if state_key:
+        st_header, st_tensors = codec.decode(
+            store.get(state_key), kind="state", run_id=spec.run_id, verify=verifier,
+            require_signature=require_signatures, expected_signer="syncer" if verifier is not None else None)
+        residual = {k[len(RESIDUAL):]: v for k, v in st_tensors.items() if k.startswith(RESIDUAL)}
+        outer.load_state_dict(outer_state_from_wire(
+            {k: v for k, v in st_tensors.items() if not k.startswith(RESIDUAL)}, st_header))
+        consumed = {str(k): int(v) for k, v in st_header.extra.get("consumed", {}).items()}
+    state = FragmentState(fragment, version, params, outer, clock=header.clock, consumed=consumed, residual=residual)
+    state.remember(version, params)
+    return state, state_key
