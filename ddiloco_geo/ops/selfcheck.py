@@ -1,28 +1,25 @@
-"""``ddiloco-geo selfcheck``: prove a store gives this system what it relies on, before a run.
+"""Store selfcheck: prove a store gives this system what it relies on, before a run.
 
 Under a fresh prefix ``selfcheck/<random>/`` it checks, in order: create-only (the second create
 answers False), ranged get, missing key -> NotFoundError, compare-and-swap (create, win with the
 current token, lose with a stale one), listing order with ``start_after`` and ``limit``, delete.
-It then removes everything it wrote. Exit status 0 only if every check passed; ``--json`` prints
-``{"url", "checks": [{"name", "ok", "ms", "detail"}], "ok"}``.
+Every check runs and is reported, pass or fail: a failing store is a report, not a crash.
+:func:`selfcheck` then removes everything it wrote (a failed cleanup is one more failed check) and
+returns ``{"url", "checks": [{"name", "ok", "ms", "detail"}], "ok"}``. ``ddiloco-geo selfcheck``
+(:mod:`ddiloco_geo.cli.selfcheck`) prints it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 import uuid
 from collections.abc import Callable
 
 from ddiloco_geo.core.errors import NotFoundError, PreconditionFailedError, StorageError
+from ddiloco_geo.storage import Store
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--keep", action="store_true", help="leave the selfcheck objects in the store")
-
-
-def _checks(store, base: str) -> list[tuple[str, Callable[[], None]]]:
+def _checks(store: Store, base: str) -> list[tuple[str, Callable[[], None]]]:
     obj, head = f"{base}object", f"{base}HEAD"
     payload = bytes(range(256))
     state: dict[str, str] = {}
@@ -92,7 +89,7 @@ def _checks(store, base: str) -> list[tuple[str, Callable[[], None]]]:
     ]
 
 
-def run_checks(store) -> dict:
+def run_checks(store: Store) -> dict:
     """Run every check under a unique prefix; clean up; return the report."""
     base = f"selfcheck/{uuid.uuid4().hex[:12]}/"
     results = []
@@ -107,47 +104,20 @@ def run_checks(store) -> dict:
     return {"url": store.url, "checks": results, "ok": all(r["ok"] for r in results), "prefix": base}
 
 
-def cleanup(store, prefix: str) -> None:
+def cleanup(store: Store, prefix: str) -> None:
+    """Delete every object under ``prefix``."""
     for key in store.list(prefix):
         store.delete(key)
 
 
-def _print_table(report: dict) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # pragma: no cover - rich is a dependency, but a plain table is enough
-        print(f"selfcheck {report['url']}")
-        for r in report["checks"]:
-            print(f"  {'PASS' if r['ok'] else 'FAIL'}  {r['name']:<24} {r['ms']:>8.1f} ms  {r['detail']}")
-        print("all checks passed" if report["ok"] else "SOME CHECKS FAILED")
-        return
-    table = Table(title=f"selfcheck {report['url']}")
-    for col in ("check", "result", "ms", "detail"):
-        table.add_column(col)
-    for r in report["checks"]:
-        table.add_row(r["name"], "[green]pass[/]" if r["ok"] else "[red]FAIL[/]", f"{r['ms']:.1f}", r["detail"])
-    console = Console()
-    console.print(table)
-    console.print("[green]all checks passed[/]" if report["ok"] else "[red]some checks failed[/]")
-
-
-def run(args: argparse.Namespace) -> int:
-    from ddiloco_geo.cli.settings import settings_from
-    from ddiloco_geo.storage import open_store
-
-    settings, _ = settings_from(args)
-    with open_store(settings.storage) as store:
-        report = run_checks(store)
-        if not getattr(args, "keep", False):
-            try:
-                cleanup(store, report["prefix"])
-            except StorageError as exc:
-                report["checks"].append({"name": "cleanup", "ok": False, "ms": 0.0, "detail": str(exc)})
-                report["ok"] = False
+def selfcheck(store: Store, *, keep: bool = False) -> dict:
+    """Run every check, then (unless ``keep``) remove what they wrote; the report, without its prefix."""
+    report = run_checks(store)
+    if not keep:
+        try:
+            cleanup(store, report["prefix"])
+        except StorageError as exc:
+            report["checks"].append({"name": "cleanup", "ok": False, "ms": 0.0, "detail": str(exc)})
+            report["ok"] = False
     report.pop("prefix")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_table(report)
-    return 0 if report["ok"] else 1
+    return report

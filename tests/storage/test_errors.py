@@ -67,7 +67,7 @@ def test_store_url_never_contains_credentials(tmp_path):
 
     with open_store(StorageConfig(url=f"file://{tmp_path}")) as store:
         assert store.url == f"file://{tmp_path}"
-    from ddiloco_geo.storage import _safe_url
+    from ddiloco_geo.storage.translate import safe_url as _safe_url
 
     assert _safe_url("s3://KEY:SECRET@bucket/run?X-Amz-Signature=abc") == "s3://bucket/run"
 
