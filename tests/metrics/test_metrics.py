@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -23,6 +24,7 @@ from ddiloco_geo.metrics import (
     serve_from_config,
     syncer_metrics,
 )
+from ddiloco_geo.storage import StoreStats
 
 # One sample line of the 0.0.4 text format: name, optional {labels}, value.
 _LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*"'
@@ -60,7 +62,7 @@ def test_render_has_help_and_type_per_family_in_name_order():
     assert text == (
         "# HELP a_total A counter\\nwith a \\\\ in help.\n"
         "# TYPE a_total counter\n"
-        "a_total 3\n"
+        "a_total 3.0\n"
         "# HELP b_gauge A gauge.\n"
         "# TYPE b_gauge gauge\n"
         "b_gauge 2.5\n"
@@ -73,7 +75,7 @@ def test_label_values_are_escaped():
     c = reg.counter("escaped_total", "Escapes.", labels=("reason",))
     c.inc(reason='say "hi"\\now\nnext')
     text = reg.render()
-    assert 'escaped_total{reason="say \\"hi\\"\\\\now\\nnext"} 1\n' in text
+    assert 'escaped_total{reason="say \\"hi\\"\\\\now\\nnext"} 1.0\n' in text
     assert_valid_exposition(text)
 
 
@@ -83,7 +85,7 @@ def test_series_are_sorted_by_label_values():
     for fragment in ("2", "0", "1"):
         g.set(int(fragment) * 10, fragment=fragment)
     lines = [line for line in reg.render().splitlines() if not line.startswith("#")]
-    assert lines == ['lag{fragment="0"} 0', 'lag{fragment="1"} 10', 'lag{fragment="2"} 20']
+    assert lines == ['lag{fragment="0"} 0.0', 'lag{fragment="1"} 10.0', 'lag{fragment="2"} 20.0']
 
 
 def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
@@ -95,12 +97,12 @@ def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
     assert_valid_exposition(text)
     body = [line for line in text.splitlines() if not line.startswith("#")]
     assert body == [
-        'wait_seconds_bucket{kind="a",le="0.1"} 2',  # le is inclusive
-        'wait_seconds_bucket{kind="a",le="1.0"} 3',
-        'wait_seconds_bucket{kind="a",le="10.0"} 4',
-        'wait_seconds_bucket{kind="a",le="+Inf"} 5',
+        'wait_seconds_bucket{kind="a",le="0.1"} 2.0',  # le is inclusive
+        'wait_seconds_bucket{kind="a",le="1.0"} 3.0',
+        'wait_seconds_bucket{kind="a",le="10.0"} 4.0',
+        'wait_seconds_bucket{kind="a",le="+Inf"} 5.0',
+        'wait_seconds_count{kind="a"} 5.0',  # prometheus_client writes _count before _sum
         'wait_seconds_sum{kind="a"} 55.65',
-        'wait_seconds_count{kind="a"} 5',
     ]
     assert "# TYPE wait_seconds histogram" in text
     assert h.get(kind="a")["count"] == 5
@@ -111,9 +113,9 @@ def test_unlabelled_metrics_export_zero_before_first_update():
     reg.counter("idle_total", "Idle.")
     reg.histogram("idle_seconds", "Idle.", buckets=(1,))
     s = samples(reg.render())
-    assert s["idle_total"] == "0"
-    assert s['idle_seconds_bucket{le="+Inf"}'] == "0"
-    assert s["idle_seconds_count"] == "0"
+    assert s["idle_total"] == "0.0"
+    assert s['idle_seconds_bucket{le="+Inf"}'] == "0.0"
+    assert s["idle_seconds_count"] == "0.0"
 
 
 def test_gauge_set_inc_dec():
@@ -216,7 +218,7 @@ def test_concurrent_updates_give_exact_totals():
     assert h.get()["count"] == total and h.get()["sum"] == total
     assert g.get() == total * 0.5
     s = samples(reg.render())
-    assert s['obs_bucket{le="+Inf"}'] == str(total)
+    assert s['obs_bucket{le="+Inf"}'] == f"{total}.0"
 
 
 # --- service families and storage ----------------------------------------------------------------
@@ -249,11 +251,25 @@ def test_learner_and_syncer_families_share_one_registry():
                  "ddiloco_syncer_storage_retries_total"):
         assert f"# TYPE {name} " in text, name
     s = samples(text)
-    assert s['ddiloco_learner_upload_drops_total{reason="coalesced"}'] == "0"
-    assert s['ddiloco_learner_upload_drops_total{reason="dropped"}'] == "0"
-    assert s['ddiloco_syncer_contributors_per_merge_bucket{le="16.0"}'] == "1"
-    assert s['ddiloco_syncer_storage_retries_total{reason="SlowDown"}'] == "2"
+    assert s['ddiloco_learner_upload_drops_total{reason="coalesced"}'] == "0.0"
+    assert s['ddiloco_learner_upload_drops_total{reason="dropped"}'] == "0.0"
+    assert s['ddiloco_syncer_contributors_per_merge_bucket{le="16.0"}'] == "1.0"
+    assert s['ddiloco_syncer_storage_retries_total{reason="SlowDown"}'] == "2.0"
     assert sm.storage_retries_total.get(reason="SlowDown") == 2  # one family, fed by export_store_stats
+
+
+def test_component_metric_sets_add_the_process_families_once():
+    reg = Registry()
+    learner_metrics(reg)
+    learner_metrics(reg)
+    syncer_metrics(reg)
+    text = reg.render()
+    assert_valid_exposition(text)  # one TYPE line per family: the collectors were registered once
+    assert "# TYPE python_info gauge" in text
+    assert "# TYPE python_gc_collections_total counter" in text
+    if sys.platform == "linux":
+        assert "# TYPE process_resident_memory_bytes gauge" in text
+    assert "python_info" not in Registry().render()  # a bare registry has only what is registered
 
 
 def test_export_store_stats_sets_absolute_totals():
@@ -263,29 +279,27 @@ def test_export_store_stats_sets_absolute_totals():
     export_store_stats(reg, "learner", snap)
     export_store_stats(reg, "learner", snap)  # same totals again: no double counting
     s = samples(reg.render())
-    assert s["ddiloco_learner_storage_bytes_up_total"] == "100"
-    assert s["ddiloco_learner_storage_bytes_down_total"] == "2000"
-    assert s['ddiloco_learner_storage_requests_total{op="get"}'] == "3"
-    assert s['ddiloco_learner_storage_requests_total{op="put_if_absent"}'] == "1"
-    assert s['ddiloco_learner_storage_retries_total{reason="http_503"}'] == "2"
-    assert s['ddiloco_learner_storage_errors_total{reason="StorageError"}'] == "1"
+    assert s["ddiloco_learner_storage_bytes_up_total"] == "100.0"
+    assert s["ddiloco_learner_storage_bytes_down_total"] == "2000.0"
+    assert s['ddiloco_learner_storage_requests_total{op="get"}'] == "3.0"
+    assert s['ddiloco_learner_storage_requests_total{op="put_if_absent"}'] == "1.0"
+    assert s['ddiloco_learner_storage_retries_total{reason="http_503"}'] == "2.0"
+    assert s['ddiloco_learner_storage_errors_total{reason="StorageError"}'] == "1.0"
     export_store_stats(reg, "learner", {**snap, "bytes_up": 150})
-    assert samples(reg.render())["ddiloco_learner_storage_bytes_up_total"] == "150"
+    assert samples(reg.render())["ddiloco_learner_storage_bytes_up_total"] == "150.0"
     with pytest.raises(ValueError, match="backwards"):
         export_store_stats(reg, "learner", {**snap, "bytes_up": 10})
 
 
 def test_export_store_stats_from_a_real_store():
-    from ddiloco_geo.storage import StoreStats
-
     stats = StoreStats()
     stats.count_request("get")
     stats.add_down(42)
     reg = Registry()
     export_store_stats(reg, "syncer", stats.snapshot())
     s = samples(reg.render())
-    assert s['ddiloco_syncer_storage_requests_total{op="get"}'] == "1"
-    assert s["ddiloco_syncer_storage_bytes_down_total"] == "42"
+    assert s['ddiloco_syncer_storage_requests_total{op="get"}'] == "1.0"
+    assert s["ddiloco_syncer_storage_bytes_down_total"] == "42.0"
 
 
 # --- HTTP endpoint -------------------------------------------------------------------------------
@@ -310,10 +324,27 @@ def test_scrape_metrics_and_healthy_healthz_over_http():
         assert status == 200
         assert ctype.startswith("text/plain; version=0.0.4")
         assert body == reg.render()
-        assert 'ddiloco_test_hits_total{path="a\\"b"} 1' in body
+        assert 'ddiloco_test_hits_total{path="a\\"b"} 1.0' in body
         status, ctype, body = _get(f"http://{host}:{port}/healthz")
         assert status == 200 and ctype.startswith("application/json")
         assert json.loads(body) == {"ok": True}
+
+
+def test_scrape_negotiates_openmetrics_and_filters_by_name():
+    reg = Registry()
+    reg.counter("ddiloco_test_hits_total", "Hits.").inc()
+    reg.gauge("ddiloco_test_level", "Level.").set(2)
+    with MetricsServer(reg, "127.0.0.1:0") as server:
+        host, port = server.address
+        accept = {"Accept": "application/openmetrics-text;version=1.0.0"}
+        req = urllib.request.Request(f"http://{host}:{port}/metrics", headers=accept)
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            body = resp.read().decode()
+        assert "ddiloco_test_hits_total 1.0\n" in body and body.endswith("# EOF\n")
+        assert "_created" not in body
+        _, _, body = _get(f"http://{host}:{port}/metrics?name[]=ddiloco_test_level")
+        assert samples(body) == {"ddiloco_test_level": "2.0"}
 
 
 def test_healthz_returns_503_when_unhealthy_or_the_check_raises():
