@@ -28,7 +28,7 @@ ENV_NESTED = "__"
 CONFIG_FILE_ENV = "DDILOCO_CONFIG"
 TEST_ENV_PREFIX = "DDILOCO_TEST_"  # reserved for the test harness (e.g. DDILOCO_TEST_LOCALSTACK_URL)
 
-Codec = Literal["fp32", "bf16", "int8", "int4"]
+Codec = Literal["fp32", "bf16", "int8", "int4"]  # = codec.CODECS (tested); written here to keep config free of torch
 
 
 def _check_shard(v: str) -> str:
@@ -125,7 +125,7 @@ class SyncerConfig(Section):
     quarantine_after: int = Field(20, ge=1, description="rejections in a row after which a learner is quarantined (ignored until an operator deletes syncer/quarantine/<id>.json)")
     max_staleness: int = Field(8, ge=0, description="reject deltas whose base version is older than current - max_staleness")
     max_norm_ratio: float = Field(50.0, gt=1, description="reject a delta whose per-step norm exceeds this multiple of the fragment's running median")
-    update_codec: Literal["none", "fp32", "bf16", "int8", "int4"] = Field(
+    update_codec: Literal["none", Codec] = Field(
         "int4", description="codec of the per-version update objects learners download ('none': learners fetch full fp32 globals)")
     poll_s: float = Field(0.2, gt=0)
     fetch_concurrency: int = Field(8, ge=1)

@@ -46,56 +46,33 @@ Tokens never appear in logs or reprs. :meth:`stop` is idempotent and joins withi
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Literal
 
 import aiohttp
 
 from ddiloco_geo.core.errors import ConfigError
+from ddiloco_geo.learner.notices import (
+    AWS_MAX_TOKEN_TTL_S, AWS_METADATA_URL, AWS_REBALANCE_PATH, AWS_SPOT_PATH, AWS_TOKEN_HEADER, AWS_TOKEN_PATH,
+    AWS_TOKEN_TTL_HEADER, GCE_HEADERS, GCE_METADATA_URL, GCE_PREFIX, GCE_TERMINATE_EVENT, Notice, rebalance_notice,
+    spot_notice,
+)
 
 log = logging.getLogger(__name__)
 
 Provider = Literal["aws", "gce", "auto", "none"]
 PROVIDERS = ("aws", "gce", "auto", "none")
 
-AWS_METADATA_URL = "http://169.254.169.254"
-GCE_METADATA_URL = "http://metadata.google.internal"
-AWS_TOKEN_PATH = "/latest/api/token"
-AWS_SPOT_PATH = "/latest/meta-data/spot/instance-action"
-AWS_REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
-AWS_TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
-AWS_TOKEN_HEADER = "X-aws-ec2-metadata-token"
-AWS_MAX_TOKEN_TTL_S = 21600
-GCE_PREFIX = "/computeMetadata/v1/instance/"
-GCE_HEADERS = {"Metadata-Flavor": "Google"}
-GCE_TERMINATE_EVENT = "TERMINATE_ON_HOST_MAINTENANCE"
 
 PROBE_TIMEOUT_S = 1.0  # auto-detection: a metadata server on the VM answers in milliseconds
 MAX_BACKOFF_S = 5.0  # a GCE notice gives ~30 s; never back off for longer than a few seconds
 TOKEN_REFRESH_RATIO = 0.8
 STOP_JOIN_S = 1.0
-
-
-@dataclass(frozen=True)
-class Notice:
-    """The VM is going away (or is at elevated risk, for ``aws-rebalance``).
-
-    ``deadline_s``: seconds from ``received_at`` until termination if the cloud said (AWS ``time``),
-    else None. ``received_at``: wall-clock ``time.time()`` when the watcher saw the notice.
-    """
-
-    source: str
-    detail: str
-    deadline_s: float | None
-    received_at: float
 
 
 class _BadAnswer(Exception):
@@ -381,10 +358,10 @@ class PreemptionWatcher:
     async def _poll_aws_once(self, session: aiohttp.ClientSession) -> None:
         body = await self._aws_get(session, AWS_SPOT_PATH)
         if body is not None:
-            self._report(_spot_notice(body))
+            self._report(spot_notice(body))
         body = await self._aws_get(session, AWS_REBALANCE_PATH)
         if body is not None:
-            self._report(_rebalance_notice(body))
+            self._report(rebalance_notice(body))
 
     async def _aws_get(self, session: aiohttp.ClientSession, path: str) -> str | None:
         """GET an IMDSv2 item: its body, or None on 404. One token refresh on 401."""
@@ -450,35 +427,6 @@ class PreemptionWatcher:
             if resp.status != 200:
                 raise _BadAnswer(f"GET {GCE_PREFIX}{key} status={resp.status}")
             return text, resp.headers.get("ETag")
-
-
-def _spot_notice(body: str) -> Notice:
-    now = time.time()
-    try:
-        item = json.loads(body)
-        action, when = str(item["action"]), str(item["time"])
-        deadline_s: float | None = max(0.0, _parse_time(when) - now)
-        return Notice("aws-spot", f"action={action} time={when}", deadline_s, now)
-    except (ValueError, KeyError, TypeError):
-        # The item exists only when an interruption is scheduled: act on it even if unreadable.
-        log.debug("preemption_notice_unparsed source=aws-spot bytes=%d", len(body))
-        return Notice("aws-spot", "unparsed instance-action", None, now)
-
-
-def _rebalance_notice(body: str) -> Notice:
-    try:
-        when = str(json.loads(body)["noticeTime"])
-    except (ValueError, KeyError, TypeError):
-        when = "unparsed"
-    return Notice("aws-rebalance", f"noticeTime={when}", None, time.time())
-
-
-def _parse_time(text: str) -> float:
-    """AWS's ``2026-11-29T18:00:00Z`` to a POSIX timestamp."""
-    parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    if parsed.tzinfo is None:
-        raise ValueError(f"time without a zone: {text!r}")
-    return parsed.timestamp()
 
 
 def _describe(exc: BaseException) -> str:

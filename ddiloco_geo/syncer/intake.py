@@ -34,8 +34,6 @@ from ddiloco_geo.syncer.state import Ema, FragmentState, PendingDelta
 
 log = logging.getLogger(__name__)
 
-MAX_HEADER_BYTES = 2**20  # a delta's safetensors header: names, shapes, clock, counters
-
 
 class Intake:
     """Listing cursors, fetch, validation, rejection records and quarantine for one syncer.
@@ -132,7 +130,7 @@ class Intake:
     async def _fetch(self, key: str, sem: asyncio.Semaphore) -> Any:
         dk = layout.parse_delta_key(key)
         # an honest delta is at most the fragment in fp32 plus its header: never download more
-        limit = 4 * self.plan.numel(dk.fragment) + MAX_HEADER_BYTES
+        limit = 4 * self.plan.numel(dk.fragment) + codec.MAX_HEADER_BYTES
         async with sem:
             try:
                 data = await asyncio.to_thread(self.store.get, key, 0, limit + 1)

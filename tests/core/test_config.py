@@ -122,3 +122,12 @@ def test_a_check_across_sections_prints_no_broken_provenance():
         Strict.model_validate({})
     text = config._describe(info.value, {})
     assert "sections disagree" in text and "env DDILOCO_)" not in text and "(from default" not in text
+
+
+def test_the_settings_codec_names_are_the_codecs_names():
+    import typing
+
+    from ddiloco_geo import codec
+
+    assert typing.get_args(config.Codec) == codec.CODECS
+    assert set(typing.get_args(config.SyncerConfig.model_fields["update_codec"].annotation)) == {"none", *codec.CODECS}
