@@ -183,10 +183,6 @@ def _shard_name(shard: int, num_shards: int) -> str:
     return f"shard-{_num(shard, SHARD_DIGITS, 'shard')}-of-{_num(num_shards, SHARD_DIGITS, 'shard count')}"
 
 
-def lease_key(shard: int, num_shards: int) -> str:
-    return f"{SYNCER}leases/{_shard_name(shard, num_shards)}"
-
-
 def tape_key(fragment: int, version: int) -> str:
     return (
         f"{SYNCER}tape/f{_num(fragment, FRAGMENT_DIGITS, 'fragment')}/"
