@@ -98,17 +98,17 @@ class Uploader:
                     self.cond.wait()
                 if self.abandoned or (not self.queue and self.closed):
                     return
-                item = self.queue[0]
+                item = self.queue.popleft()  # the write in progress is not in the queue
                 self.busy = True
             try:
                 self._upload(item)
                 backoff = 0.5
-                with self.cond:
-                    if self.queue and self.queue[0] is item:
-                        self.queue.popleft()
             except StorageError as exc:  # outage beyond the store's retries: keep it, try again
                 self.counters["upload_errors"] += 1
                 log.warning("delta_upload_failed fragment=%d error=%s action=retry_in=%.1fs", item.fragment, exc, backoff)
+                with self.cond:  # back to the front, unless a newer delta of its fragment (which contains it) is queued
+                    if not any(q.fragment == item.fragment for q in self.queue):
+                        self.queue.appendleft(item)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
             finally:

@@ -11,14 +11,14 @@ reader interprets the bucket the same way:
 - :mod:`~ddiloco_geo.protocol.ledger`: which deltas were merged, superseded, rejected, unaccounted.
 """
 
-from ddiloco_geo.protocol.spec import RunSpec, build_spec, create_or_load_spec, load_spec, wait_for_spec
+from ddiloco_geo.protocol.spec import RunSpec, build_spec, create_or_load_spec, load_spec, spec_from, wait_for_spec
 from ddiloco_geo.protocol.index import (
     advance_index, latest_version, list_versions, read_global, read_global_params, read_header, read_index,
 )
 from ddiloco_geo.protocol.ledger import ledger, learner_ids, merge_records, next_delta_seq, quarantined_learners
 
 __all__ = [
-    "RunSpec", "build_spec", "create_or_load_spec", "load_spec", "wait_for_spec", "advance_index", "latest_version",
+    "RunSpec", "build_spec", "spec_from", "create_or_load_spec", "load_spec", "wait_for_spec", "advance_index", "latest_version",
     "list_versions", "read_global", "read_global_params", "read_header", "read_index", "ledger", "learner_ids", "merge_records", "next_delta_seq",
     "quarantined_learners",
 ]

@@ -1,0 +1,147 @@
+"""The learner module on its own: the upload queue, refusing forged or corrupt globals, and
+resuming past an unusable checkpoint. A memory:// store, a one-layer model, no processes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from ddiloco_geo import codec, protocol
+from ddiloco_geo.core import layout
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.model import embedding_rule
+from ddiloco_geo.core.signing import signer_for, syncer_keys
+from ddiloco_geo.learner import Learner, Outgoing, Uploader
+from ddiloco_geo.syncer import Syncer
+from tests.service.conftest import tiny_run  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.unit
+
+SECRET = "unit-test-run-secret"
+
+
+def _outgoing(run, p: int, steps: int = 1) -> Outgoing:
+    pg = {n: torch.full(s, float(steps)) for n, s in run.spec.plan.expect(p).items()}
+    return Outgoing(p, pg, 0, steps, steps * 64, steps, 0.1, VectorClock())
+
+
+class _GatedStore:
+    """The run's store, with writes held until ``gate`` opens (a slow link)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.gate, self.entered = store, threading.Event(), threading.Event()
+
+    def put_if_absent(self, key, data):
+        self.entered.set()
+        assert self.gate.wait(30), "test gate never opened"
+        return self.store.put_if_absent(key, data)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_full_upload_queue_coalesces_a_fragment_and_drops_the_oldest_other(tiny_run):
+    run = tiny_run()
+    gated = _GatedStore(run.store)
+    up = Uploader(gated, run.spec, "l0", maxsize=2, codec_name="fp32", block_size=128, first_seq=0)
+    up.submit(_outgoing(run, 0))               # taken by the thread, held at the gate
+    assert gated.entered.wait(10)
+    up.submit(_outgoing(run, 1))               # queued
+    up.submit(_outgoing(run, 2))               # queued: the queue is full (2)
+    up.submit(_outgoing(run, 1, steps=3))      # same fragment as a queued one: replaces it
+    assert up.counters["deltas_coalesced"] == 1 and up.counters["deltas_dropped"] == 0
+    up.submit(_outgoing(run, 3))               # full, no fragment match: the oldest queued (f1) goes
+    assert up.counters["deltas_dropped"] == 1
+    gated.gate.set()
+    assert up.close(deadline_s=20)
+    keys = run.store.list(layout.deltas_dir("l0"))
+    assert [layout.parse_delta_key(k).fragment for k in keys] == [0, 2, 3]
+    assert up.thread is not None and not up.thread.is_alive()
+
+
+def test_close_gives_up_at_the_deadline_and_joins_the_thread(tiny_run):
+    run = tiny_run()
+    gated = _GatedStore(run.store)
+    up = Uploader(gated, run.spec, "l0", maxsize=4, codec_name="fp32", block_size=128, first_seq=0)
+    up.submit(_outgoing(run, 0))
+    assert gated.entered.wait(10)
+    up.submit(_outgoing(run, 1))
+    threading.Timer(0.5, gated.gate.set).start()  # the held write finishes after the deadline
+    assert up.close(deadline_s=0.1) is False
+    up.thread.join(timeout=10)
+    assert not up.thread.is_alive()
+
+
+def _signed_run(tiny_run):
+    run = tiny_run(**{"security.run_secret": SECRET})
+    s = Syncer(run.store, run.spec, **run.settings.syncer.model_dump(), is_embedding=embedding_rule(run.settings.model),
+               now=run.clock, **syncer_keys(run.settings.security))
+    s.bootstrap(run.params)
+    return run, s
+
+
+def _learner(run, **overrides) -> Learner:
+    settings = run.settings.model_copy(update={"learner": run.settings.learner.model_copy(
+        update={"id": "l0", "max_steps": 50, **overrides})})
+    learner = Learner.from_settings(settings, run.store, inline_io=True)
+    learner.join()
+    learner.start_clock()
+    return learner
+
+
+def _forge_global(run, p: int, version: int, *, signer) -> None:
+    params = {n: torch.full(s, 7.0) for n, s in run.spec.plan.expect(p).items()}
+    header = codec.Header(kind="global", run_id=run.spec.run_id, fragment=p, version=version, clock=VectorClock())
+    assert run.store.put_if_absent(layout.global_key(p, version), codec.encode(params, header, codec="fp32", signer=signer))
+    protocol.advance_index(run.store, {p: version})
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "learner_key", "corrupt"])
+def test_a_forged_or_corrupt_global_is_refused_and_training_goes_on(tiny_run, forgery, caplog):
+    run, _ = _signed_run(tiny_run)
+    learner = _learner(run)
+    before = {n: t.clone() for n, t in learner.base[0].items()}
+    if forgery == "corrupt":
+        run.store.put_if_absent(layout.global_key(0, 1), b"\x00garbage" * 100)
+        protocol.advance_index(run.store, {0: 1})
+    else:
+        _forge_global(run, 0, 1, signer=None if forgery == "unsigned" else signer_for(SECRET, "learner", "l0"))
+    with caplog.at_level(logging.WARNING):
+        learner.poller.poll_once()
+    assert learner.poller.counters["globals_rejected"] == 1
+    assert learner.poller.take() == {}
+    assert "global_rejected" in caplog.text
+    assert learner.step_once() is True and learner.step_once() is True
+    assert learner.base_version[0] == 0
+    assert all(torch.equal(before[n], learner.base[0][n]) for n in before)
+
+
+def test_a_corrupt_or_truncated_checkpoint_is_ignored_with_a_warning(tiny_run, caplog):
+    run, _ = _signed_run(tiny_run)
+    first = _learner(run)
+    for _ in range(3):
+        first.step_once()
+    summary = first.finish()
+    good_key = summary["checkpoint"]
+    assert good_key
+    good = run.store.get(good_key)
+    run.store.put_if_absent(layout.checkpoint_key("l0", 1), good[: len(good) // 2])   # truncated
+    run.store.put_if_absent(layout.checkpoint_key("l0", 2), b"not a checkpoint at all")  # corrupt
+    with caplog.at_level(logging.WARNING):
+        second = _learner(run)
+    assert second.resumed_from == good_key  # the newest usable one
+    assert caplog.text.count("checkpoint_unusable") == 2
+    assert second.step == 3
+
+
+def test_only_unusable_checkpoints_mean_a_fresh_start(tiny_run, caplog):
+    run, _ = _signed_run(tiny_run)
+    run.store.put_if_absent(layout.checkpoint_key("l0", 0), b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    with caplog.at_level(logging.WARNING):
+        learner = _learner(run)
+    assert learner.resumed_from is None and learner.step == 0
+    assert "checkpoint_unusable" in caplog.text
+    assert learner.step_once() is True
