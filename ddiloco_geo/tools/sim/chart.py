@@ -92,6 +92,22 @@ def scavenge_chart(rows: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
+def sensitivity_chart(rows: list[dict], path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    rows = [r for r in rows if "cells" in r]
+    names = sorted({r["constant"] for r in rows}, key=[r["constant"] for r in rows].index)
+    for i, factor in enumerate((0.5, 1.5)):
+        vals = [next((r["max_abs_points"] for r in rows if r["constant"] == n and r["factor"] == factor), 0)
+                for n in names]
+        ax.bar([j + 0.4 * i for j in range(len(names))], vals, 0.4, label=f"×{factor:g}")
+    ax.set_xticks([j + 0.2 for j in range(len(names))], names, rotation=20)
+    ax.set_ylabel("largest change of a grid cell (goodput points)")
+    ax.legend()
+    ax.set_title("Sensitivity of the goodput grid (fixed constants re-calibrated)")
+    return _save(fig, path)
+
+
 def _save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,95 +1,101 @@
-"""Goodput and uptime of three training systems on one shared failure trace (paper §4.1, §4.9).
+"""Goodput and uptime under chip failures, derived from what one failure costs (paper §4.1, §4.9).
 
-Definitions (the same for every system, so they compare on one axis):
+Definitions (one axis for every system):
 
-- **allocated chip-time** = ``chips × horizon``: every chip is paid for all the time.
-- **goodput** = useful chip-time / allocated chip-time. Useful means a chip was stepping, its step
-  finished, and the step counts toward training.
+- **allocated chip-time** = ``chips × wall time``: every chip is paid for, spares included.
+- **goodput** = useful chip-time / allocated chip-time. Useful: a chip was stepping, its step
+  finished, the step was not thrown away by a restart, and (DDiLoCo) it can reach a merge.
 - **uptime** = fraction of wall time during which the system advances training at all.
 
-Systems, all driven by the same :class:`~ddiloco_geo.tools.sim.failures.FailureTrace`:
+Failures. Every chip is interrupted as a Poisson process with mean time between interruptions
+``mtbi_days``; an interrupted chip takes its slice (``slice_chips``, the failure domain) out of
+service for ``repair_s``, after which the slice (or a replacement) is usable again. A synchronous
+group of n chips therefore sees failures at rate ``λ(n) = n / MTBI``. This is the only quantity
+that scales linearly with chips; per-failure costs are taken as independent of size (assumption,
+docs/simulator.md §1).
 
-``dp``  data-parallel without elasticity. Any failure stops every chip; the job restarts once the
-    failed slice is back and then pays ``restart_s`` (reschedule, reload, recompile). A failure
-    during the repair or the restart extends the outage. The job therefore runs at time t exactly
-    when no failure i has ``t_i <= t < t_i + repair_i + restart_s``: the complement of a union of
-    intervals, computed exactly. Each failure that hits a running job also loses the step in
-    flight (the time since the last step boundary; later lost work since a checkpoint is part of
-    ``restart_s``).
+What one failure costs, per system:
 
-``elastic_dp``  drop the failed slice and continue smaller. A failure pauses every chip for
-    ``downscale_s``; when the slice comes back, every chip pauses again for ``upscale_s`` to take
-    it in. Between pauses the job runs on the chips that are up. A failure that hits a running job
-    loses the step in flight on every chip.
+``dp``  data-parallel, fixed-size mesh, hot spares. Detection (``detect_s``: the job stalls in a
+    collective until a heartbeat times out), then a restart (``restart_s``: reschedule onto spares,
+    reload the checkpoint, rebuild the mesh, recompile) and the work since the last checkpoint.
+    Checkpoints go to host memory every ``τ = max(step_s, sqrt(2·ckpt_s/λ))`` (Young's optimum,
+    never more often than once a step) and block for ``ckpt_s`` each. The spare pool covers the
+    slices in repair (Little's law: ``λ·repair_s`` slices on average) plus ``spare_sigmas``
+    standard deviations; spares are allocated and idle.
 
-``ddiloco``  Decoupled DiLoCo with M learners on ``chips/M`` chips each (slice ``s`` belongs to
-    learner ``s mod M``). Each learner is an ``elastic_dp`` job over its own slices: a failure
-    pauses and rescales only that learner. The run stalls when fewer than K learners are stepping;
-    during a stall the work of the learners that are still stepping cannot reach a merge and is
-    not useful. Uptime is the fraction of time at least K learners step.
+``elastic_dp``  drop the failed slice and continue smaller: detection, then a downscale pause
+    (``downscale_s``), the step in flight is lost; when the slice is back, an upscale pause
+    (``upscale_s``). Between pauses the group runs without the slices in repair (on average
+    ``slice_chips·repair_s/MTBI`` of its chips: Little's law again). No spares, no checkpoint
+    reload: the state survives on the remaining replicas.
 
-So ``ddiloco`` with M=1, K=1 *is* ``elastic_dp``, and M learners on N chips are M independent
-copies of one elastic learner on N/M chips (tested invariants).
+``ddiloco``  M learners of ``chips/M`` chips, each an ``elastic_dp`` group at rate ``λ/M``. A
+    failure pauses only its learner. With quorum K the run stalls while fewer than K learners
+    step; a learner's steps count only while at least K-1 others step too. Learners fail
+    independently, so the number stepping is binomial.
 
-Stragglers: with ``step_cv > 0`` a synchronous group of n slices waits for the slowest one each
-step, so its useful fraction is ``1 / (1 + step_cv · z_n)`` with z_n the expected maximum of n
-standard normals (Blom's approximation). The calibrated default is ``step_cv = 0``.
+How costs overlap when failures arrive faster than recoveries: a failure that arrives while a
+group is already recovering is absorbed by that recovery (a restart or a rescale re-plans around
+every slice known to be down when it commits). Each group is then a one-server loss system
+(M/G/1/1), whose fraction of time running is ``1 / (1 + λ·E[pause per event])`` whatever the
+distribution of pause lengths (Erlang's insensitivity). The old model let every failure extend the
+outage (a union of intervals), which is ``exp(−λ·cost)``: that made goodput fall exponentially with
+chips, while the published figures fall gently. :mod:`.failures` checks the closed forms against
+seeded event simulations with the same rule.
 
-Approximations (documented, small in the calibrated regime where under 0.1% of slices are down):
-two failures of the same slice are counted as two slices down; a learner's lost-step cost uses its
-nominal chip count; the stall correction uses ``chips/M`` per stepping learner.
+Stragglers: with ``step_cv > 0`` a synchronous group of n slices waits for its slowest member each
+step: useful fraction ``1 / (1 + step_cv·z_n)``, z_n the expected maximum of n standard normals
+(Blom). Default 0.
 
-The defaults in :class:`ClusterModel` are the calibrated constants (see ``calibrate.py`` and
-docs/simulator.md): chosen once so that at 1.2M chips and a one-year MTBI ``dp`` has 27% goodput
-and ``ddiloco`` with M=8 has 88%. Every other cell follows from the model.
+The unknown constants ``restart_s`` and ``downscale_s = upscale_s`` are solved in closed form from
+the paper's two headline cells (:mod:`.calibrate`); every other constant is documented with its
+source or reason in docs/simulator.md, and :mod:`.sensitivity` shows what each one moves.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from statistics import NormalDist
 
-import numpy as np
-
 from ddiloco_geo.core.errors import ConfigError
-from ddiloco_geo.tools.sim.failures import FailureTrace, covered_before, draw_trace, resume_before, union
 
 DAY_S = 86400.0
 SYSTEMS = ("dp", "elastic_dp", "ddiloco")
 DEFAULT_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
 DEFAULT_LEARNERS = (2, 4, 8, 16)
 
-# Calibrated by `ddiloco-geo simulate --calibrate` (seed 0, 7-day horizon); see docs/simulator.md.
-CALIBRATED_REPAIR_MEAN_S = 18.2
-CALIBRATED_RESCALE_S = 15.4
+# Solved by `ddiloco-geo simulate --calibrate` (closed form); see docs/simulator.md §1.
+CALIBRATED_RESTART_S = 54.3
+CALIBRATED_RESCALE_S = 8.2
 
 
 @dataclass(frozen=True)
 class ClusterModel:
-    """Everything the goodput model needs besides the chip count and M.
-
-    ``restart_s`` defaults to the rescale time: both are dominated by rebuilding the device mesh and
-    recompiling (the calibration ties them; see docs/simulator.md).
-    """
+    """Every constant of the failure model besides the chip count and M (units in the names)."""
 
     mtbi_days: float = 365.0
     slice_chips: int = 256
-    repair_mean_s: float = CALIBRATED_REPAIR_MEAN_S
-    repair_dist: str = "exp"
+    detect_s: float = 10.0
+    repair_s: float = 600.0
+    restart_s: float = CALIBRATED_RESTART_S
     downscale_s: float = CALIBRATED_RESCALE_S
     upscale_s: float = CALIBRATED_RESCALE_S
-    restart_s: float = CALIBRATED_RESCALE_S
+    ckpt_s: float = 0.05
+    spare_sigmas: float = 3.0
     step_s: float = 2.0
     step_cv: float = 0.0
     quorum: int = 1
-    horizon_s: float = 7 * DAY_S
+    horizon_s: float = 7 * DAY_S  # only the event simulation (failures.py) uses it
 
     def __post_init__(self) -> None:
-        for name in ("repair_mean_s", "downscale_s", "upscale_s", "restart_s", "step_cv"):
+        for name in ("detect_s", "repair_s", "restart_s", "downscale_s", "upscale_s", "ckpt_s",
+                     "spare_sigmas", "step_cv"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.step_s <= 0 or self.mtbi_days <= 0 or self.horizon_s <= 0:
-            raise ConfigError("step_s, mtbi_days and horizon_s must be > 0")
+        if self.step_s <= 0 or self.mtbi_days <= 0 or self.horizon_s <= 0 or self.slice_chips < 1:
+            raise ConfigError("step_s, mtbi_days, horizon_s must be > 0 and slice_chips >= 1")
         if self.quorum < 1:
             raise ConfigError(f"quorum={self.quorum} must be >= 1 (K=1: never stall while a learner is up)")
 
@@ -97,8 +103,12 @@ class ClusterModel:
     def mtbi_s(self) -> float:
         return self.mtbi_days * DAY_S
 
+    def rate(self, chips: float) -> float:
+        """Slice failures per second seen by a synchronous group of ``chips`` chips."""
+        return chips / self.mtbi_s
+
     def with_rescale(self, rescale_s: float) -> "ClusterModel":
-        return replace(self, downscale_s=rescale_s, upscale_s=rescale_s, restart_s=rescale_s)
+        return replace(self, downscale_s=rescale_s, upscale_s=rescale_s)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -117,11 +127,6 @@ class Outcome:
                 "goodput": round(self.goodput, 4), "uptime": round(self.uptime, 4)}
 
 
-def trace_for(chips: int, model: ClusterModel, seed: int = 0) -> FailureTrace:
-    return draw_trace(chips=chips, mtbi_s=model.mtbi_s, slice_chips=model.slice_chips,
-                      horizon_s=model.horizon_s, repair_dist=model.repair_dist, seed=seed)
-
-
 def straggler_efficiency(num_slices: float, step_cv: float) -> float:
     """Useful fraction of a synchronous group of ``num_slices`` that waits for its slowest member."""
     n = int(round(num_slices))
@@ -131,106 +136,79 @@ def straggler_efficiency(num_slices: float, step_cv: float) -> float:
     return 1.0 / (1.0 + step_cv * z)
 
 
-def _lost_step_s(t: np.ndarray, s: np.ndarray, e: np.ndarray, step_s: float) -> np.ndarray:
-    """Work lost by failures at ``t``: the step in flight, if the system was running just before."""
-    was_running, resumed = resume_before(s, e, t)
-    return np.where(was_running, np.mod(t - resumed, step_s), 0.0)
+def checkpoint_interval_s(model: ClusterModel, chips: float) -> float:
+    """Young's optimum ``sqrt(2·ckpt_s/λ)``, but never more often than once a step."""
+    lam = model.rate(chips)
+    return max(model.step_s, math.sqrt(2 * model.ckpt_s / lam)) if model.ckpt_s > 0 else model.step_s
 
 
-def simulate_dp(trace: FailureTrace, model: ClusterModel) -> Outcome:
-    t = trace.times_s
-    repair = trace.repair_unit * model.repair_mean_s
-    s, e = union(t, t + repair + model.restart_s, trace.horizon_s)
-    run_s = trace.horizon_s - float(np.sum(e - s))
-    lost_s = float(np.sum(_lost_step_s(t, s, e, model.step_s)))
-    eff = straggler_efficiency(trace.num_slices, model.step_cv)
-    goodput = eff * (run_s - lost_s) / trace.horizon_s
-    return Outcome("dp", trace.chips, 1, goodput, run_s / trace.horizon_s)
+def spare_ratio(model: ClusterModel, chips: float) -> float:
+    """Share of the allocation a fixed-size job keeps as hot spares (Little's law + σ margin)."""
+    in_repair = model.rate(chips) * model.repair_s
+    spares = math.ceil(in_repair + model.spare_sigmas * math.sqrt(in_repair)) * model.slice_chips
+    return min(1.0, spares / chips)
 
 
-@dataclass(frozen=True)
-class _Learner:
-    useful_chip_s: float
-    pause_starts: np.ndarray
-    pause_ends: np.ndarray
+def missing_ratio(model: ClusterModel) -> float:
+    """Share of an elastic group's chips in repair at any time: ``slice·repair_s / MTBI``."""
+    return min(1.0, model.slice_chips * model.repair_s / model.mtbi_s)
 
 
-def _elastic_learner(t: np.ndarray, repair: np.ndarray, chips: float, slice_chips: int,
-                     horizon_s: float, model: ClusterModel) -> _Learner:
-    """One elastic data-parallel job of ``chips`` chips hit by failures at ``t``."""
-    back = t + repair
-    s, e = union(np.concatenate((t, back)),
-                 np.concatenate((t + model.downscale_s, back + model.upscale_s)), horizon_s)
-    paused_s = float(np.sum(e - s))
-    run_s = horizon_s - paused_s
-    # chip-seconds the failed slices were down while the job was otherwise running
-    down_total = np.minimum(back, horizon_s) - t
-    down_paused = covered_before(s, e, np.minimum(back, horizon_s)) - covered_before(s, e, t)
-    missing_chip_s = slice_chips * float(np.sum(down_total - down_paused))
-    lost_chip_s = chips * float(np.sum(_lost_step_s(t, s, e, model.step_s)))
-    eff = straggler_efficiency(chips / slice_chips, model.step_cv)
-    useful = eff * max(0.0, chips * run_s - missing_chip_s - lost_chip_s)
-    return _Learner(useful, s, e)
+def dp_outcome(chips: int, model: ClusterModel) -> Outcome:
+    lam = model.rate(chips)
+    tau = checkpoint_interval_s(model, chips)
+    uptime = 1.0 / (1.0 + lam * (model.detect_s + model.restart_s))
+    # of the time running: the checkpoint stalls, and the work since the last checkpoint at each failure
+    running = max(0.0, 1.0 - model.ckpt_s / tau) * max(0.0, 1.0 - lam * tau / 2)
+    eff = straggler_efficiency(chips / model.slice_chips, model.step_cv)
+    goodput = (1.0 - spare_ratio(model, chips)) * uptime * running * eff
+    return Outcome("dp", chips, 1, goodput, uptime)
 
 
-def simulate_elastic_dp(trace: FailureTrace, model: ClusterModel) -> Outcome:
-    out = simulate_ddiloco(trace, model, learners=1, quorum=1)
-    return replace(out, system="elastic_dp")
+def elastic_group(chips: float, model: ClusterModel) -> tuple[float, float]:
+    """(goodput, fraction of time stepping) of one elastic data-parallel group of ``chips``."""
+    lam = model.rate(chips)
+    stepping = 1.0 / (1.0 + lam * (model.detect_s + model.downscale_s + model.upscale_s))
+    lost_step = max(0.0, 1.0 - lam * model.step_s / 2)  # the step in flight at each failure
+    eff = straggler_efficiency(chips / model.slice_chips, model.step_cv)
+    return (1.0 - missing_ratio(model)) * stepping * lost_step * eff, stepping
 
 
-def simulate_ddiloco(trace: FailureTrace, model: ClusterModel, *, learners: int,
-                     quorum: int | None = None) -> Outcome:
+def _at_least(k: int, n: int, p: float) -> float:
+    """P(Binomial(n, p) >= k)."""
+    if k <= 0:
+        return 1.0
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
+def ddiloco_outcome(chips: int, model: ClusterModel, learners: int, quorum: int | None = None) -> Outcome:
     k = model.quorum if quorum is None else quorum
     if not 1 <= k <= learners:
         raise ConfigError(f"quorum K={k} must be between 1 and M={learners}")
-    if learners > trace.num_slices:
-        raise ConfigError(f"M={learners} learners need at least {learners} slices; "
-                          f"the cluster has {trace.num_slices}")
-    chips_each = trace.chips / learners
-    repair = trace.repair_unit * model.repair_mean_s
-    owner = trace.slices % learners
-    parts = []
-    for m in range(learners):
-        mine = owner == m
-        parts.append(_elastic_learner(trace.times_s[mine], repair[mine], chips_each,
-                                      trace.slice_chips, trace.horizon_s, model))
-    useful = sum(p.useful_chip_s for p in parts)
-    stall_s, stepping_in_stall_s = _stall(parts, learners, k, trace.horizon_s)
-    useful = max(0.0, useful - chips_each * stepping_in_stall_s)
-    goodput = useful / (trace.chips * trace.horizon_s)
-    return Outcome("ddiloco", trace.chips, learners, goodput, 1.0 - stall_s / trace.horizon_s)
+    if learners > max(1, round(chips / model.slice_chips)):
+        raise ConfigError(f"M={learners} learners need at least {learners} slices of {model.slice_chips} chips")
+    good, stepping = elastic_group(chips / learners, model)
+    goodput = good * _at_least(k - 1, learners - 1, stepping)
+    return Outcome("ddiloco", chips, learners, goodput, _at_least(k, learners, stepping))
 
 
-def _stall(parts: list[_Learner], learners: int, quorum: int, horizon_s: float) -> tuple[float, float]:
-    """Time with fewer than ``quorum`` learners stepping, and learner-seconds stepped during it."""
-    starts = np.concatenate([p.pause_starts for p in parts])
-    ends = np.concatenate([p.pause_ends for p in parts])
-    if starts.size == 0:
-        return 0.0, 0.0
-    when = np.concatenate((starts, ends))
-    delta = np.concatenate((np.ones(starts.size), -np.ones(ends.size)))
-    order = np.argsort(when, kind="stable")
-    when, paused = when[order], np.cumsum(delta[order])
-    span = np.diff(np.append(when, horizon_s))
-    stalled = (learners - paused) < quorum
-    return float(np.sum(span[stalled])), float(np.sum(span[stalled] * (learners - paused[stalled])))
+def elastic_outcome(chips: int, model: ClusterModel) -> Outcome:
+    return replace(ddiloco_outcome(chips, model, 1, 1), system="elastic_dp")
 
 
-def simulate_cell(chips: int, learners: tuple[int, ...], model: ClusterModel, seed: int = 0) -> list[Outcome]:
-    """Every system on one shared trace: ``dp``, ``elastic_dp``, then ``ddiloco`` for each M."""
-    trace = trace_for(chips, model, seed)
-    out = [simulate_dp(trace, model), simulate_elastic_dp(trace, model)]
-    out += [simulate_ddiloco(trace, model, learners=m) for m in learners]
-    return out
+def simulate_cell(chips: int, learners: tuple[int, ...], model: ClusterModel) -> list[Outcome]:
+    """Every system at one chip count: ``dp``, ``elastic_dp``, then ``ddiloco`` for each M."""
+    return [dp_outcome(chips, model), elastic_outcome(chips, model),
+            *[ddiloco_outcome(chips, model, m) for m in learners]]
 
 
 def simulate_grid(chips: tuple[int, ...] = DEFAULT_CHIPS, learners: tuple[int, ...] = DEFAULT_LEARNERS,
-                  model: ClusterModel | None = None, seed: int = 0, progress=None) -> list[dict]:
-    """The table of the issue: one row per (system, chips, learners)."""
+                  model: ClusterModel | None = None, progress=None) -> list[dict]:
+    """One row per (system, chips, learners)."""
     model = model or ClusterModel()
     rows: list[dict] = []
     for n in chips:
-        rows += [o.row() for o in simulate_cell(n, learners, model, seed)]
+        rows += [o.row() for o in simulate_cell(n, learners, model)]
         if progress:
             progress(n)
     return rows

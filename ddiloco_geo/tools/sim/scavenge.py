@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ddiloco_geo.core.errors import ConfigError
 from ddiloco_geo.tools.sim.bandwidth import BITS, BandwidthModel
-from ddiloco_geo.tools.sim.goodput import CALIBRATED_RESCALE_S
+from ddiloco_geo.tools.sim.goodput import CALIBRATED_RESCALE_S, CALIBRATED_RESTART_S
 
 DEFAULT_EXTRA_RATIOS = (0.25, 0.5, 1.0, 3.0)
 
@@ -40,7 +40,7 @@ class ScavengeConfig:
     period_hours: float = 24.0
     budget_base_hours: float = 168.0
     join_s: float = CALIBRATED_RESCALE_S
-    reconfig_s: float = CALIBRATED_RESCALE_S
+    reconfig_s: float = CALIBRATED_RESTART_S
     H: int = 24
     wan_gbps: float = 100.0
     bandwidth: BandwidthModel = BandwidthModel()
