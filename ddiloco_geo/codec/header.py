@@ -6,8 +6,10 @@ The header lives in safetensors' ``__metadata__`` (``dict[str, str]``)::
     kind            delta | global | update | state | checkpoint
     run_id, learner, fragment, seq, base_version, version, num_steps, num_tokens
     clock           VectorClock JSON
-    codec           fp32 | bf16 | int8 | int4
-    block_size      values per scale block ("0" for fp32/bf16)
+    codec           fp32 | bf16 | int8 | int4 | topk
+    block_size      values per scale block ("0" for fp32/bf16; the chunk C for topk)
+    topk            (topk objects only) values kept per chunk; absent for every other codec, so
+                    objects of the older codecs are byte for byte what they were
     shapes, dtypes  JSON {name: [dims]} and {name: "float32" | ...}: what decode restores
     extra           one JSON object (merge record, data cursor, ...)
     checksum        sha256 hex over the raw bytes of every stored tensor, in sorted key order
@@ -60,6 +62,7 @@ class Header:
     num_tokens: int = 0
     codec: str = "fp32"
     block_size: int = 0
+    topk: int = 0  # values kept per chunk of the topk codec (0 for every other codec)
     extra: dict = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
     dtypes: dict[str, str] = field(default_factory=dict, compare=False)
@@ -83,13 +86,17 @@ def check_header(h: Header) -> None:
         value = getattr(h, f)
         if type(value) is not int or not -1 <= value <= INT64_MAX:
             raise ValueError(f"header {f} {value!r}: expected an integer >= -1")
+    if type(h.topk) is not int or not 0 <= h.topk <= INT64_MAX:
+        raise ValueError(f"header topk {h.topk!r}: expected an integer >= 0")
 
 
 def header_metadata(
-    h: Header, *, codec: str, block_size: int, shapes: dict[str, list[int]], dtypes: dict[str, str], checksum: str
+    h: Header, *, codec: str, block_size: int, shapes: dict[str, list[int]], dtypes: dict[str, str], checksum: str,
+    topk: int = 0,
 ) -> dict[str, str]:
-    """The unsigned ``__metadata__`` of an object (``codec``/``block_size`` as resolved by encode)."""
-    return {
+    """The unsigned ``__metadata__`` of an object (``codec``/``block_size``/``topk`` as resolved by
+    encode; ``topk`` is written for the topk codec only)."""
+    meta = {
         FORMAT_KEY: str(FORMAT_VERSION),
         "kind": h.kind,
         "run_id": h.run_id,
@@ -103,6 +110,9 @@ def header_metadata(
         **{f: str(getattr(h, f)) for f in INT_FIELDS},
         "block_size": str(block_size),
     }
+    if codec == "topk":
+        meta["topk"] = str(topk)
+    return meta
 
 
 def _json(value: Any) -> str:
@@ -163,8 +173,10 @@ def parse_metadata(entries: dict[str, Any]) -> Header:
     if not re.fullmatch(r"[0-9a-f]{64}", checksum):
         raise CodecError("bad_header", "header field 'checksum' is not a sha256 hex digest")
     ints = {f: integer(f) for f in INT_FIELDS}
+    codec = text("codec")
     return Header(
-        kind=kind, run_id=run, learner=learner, clock=clock, codec=text("codec"), extra=extra,
+        kind=kind, run_id=run, learner=learner, clock=clock, codec=codec, extra=extra,
+        topk=integer("topk") if codec == "topk" else 0,
         shapes={n: tuple(s) for n, s in shapes.items()}, dtypes=dtypes, checksum=checksum,
         signer=meta.get(SIGNER_FIELD, ""), **ints,
     )  # fmt: skip

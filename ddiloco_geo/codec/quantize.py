@@ -33,7 +33,7 @@ import torch
 
 from ddiloco_geo.core.errors import CodecError
 
-Codec = Literal["fp32", "bf16", "int8", "int4"]
+Codec = Literal["fp32", "bf16", "int8", "int4", "topk"]
 CODECS: tuple[Codec, ...] = get_args(Codec)  # the one list of codec names (settings, CLI, bench)
 QMAX = {"int8": 127, "int4": 7}  # the quantized codecs and their largest code
 DEFAULT_BLOCK_SIZE = 128

@@ -37,6 +37,7 @@ from ddiloco_geo.codec.header import Header, check_header, header_metadata, pars
 from ddiloco_geo.codec.quantize import (
     CODECS, MAX_BLOCK_SIZE, QMAX, dequantize_blocks, quantize_blocks, resolve_block_size, store_float,
 )  # fmt: skip
+from ddiloco_geo.codec.sparse import MAX_CHUNK, resolve, sparse_decode, sparse_encode, stored_sizes
 from ddiloco_geo.core.errors import CodecError
 from ddiloco_geo.core.signing import SIGNATURE_FIELD, SIGNER_FIELD, Signer, Verifier, signed_message
 
@@ -49,12 +50,14 @@ def encode(
     *,
     codec: str | None = None,
     block_size: int | None = None,
+    topk: int | None = None,
     signer: Signer | None = None,
 ) -> bytes:
     """Serialize ``tensors`` (floating point, any device) with ``header`` as one safetensors object.
 
     ``codec``/``block_size`` override the header's; the header's ``block_size`` 0 means the
-    default (128) for int8/int4. With ``signer`` the metadata also gets ``signer`` (its key id)
+    default (128) for int8/int4. For ``topk``, ``block_size`` is the chunk (default 4096) and
+    ``topk`` the values kept per chunk (overrides the header's; default 64). With ``signer`` the metadata also gets ``signer`` (its key id)
     and ``signature`` (HMAC over every other metadata field, checksum included; see
     ``ddiloco_geo.core.signing``). Raises ValueError for unusable arguments and
     ``CodecError("nonfinite", name)`` if a tensor holds NaN/Inf (it must not reach the wire).
@@ -64,18 +67,31 @@ def encode(
     codec = header.codec if codec is None else codec
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: expected one of {', '.join(CODECS)}")
-    block_size = resolve_block_size(codec, header.block_size if block_size is None else block_size)
+    block_size = header.block_size if block_size is None else block_size
+    topk = header.topk if topk is None else topk
+    if codec == "topk":
+        block_size, topk = resolve(block_size, topk)
+    else:
+        block_size, topk = resolve_block_size(codec, block_size), 0
     check_header(header)
     names = _check_tensors(tensors)
     # Stored keys are laid out, and hashed, in sorted key order: order names by their first key.
-    names.sort(key=lambda n: n + ":" if codec in QMAX else n)
+    names.sort(key=lambda n: n + ":" if codec in QMAX or codec == "topk" else n)
 
     digest = Digest(parallel=sum(t.numel() for t in tensors.values()) * 4 >= PARALLEL_HASH_BYTES)
     stored: dict[str, torch.Tensor] = {}
     try:
         for name in names:
             x = tensors[name].detach()
-            if codec in QMAX:
+            if codec == "topk":
+                try:
+                    idx, q, scale = sparse_encode(x, block_size, topk)
+                except CodecError as exc:
+                    raise CodecError(exc.reason, f"{name}: {exc.detail}") from None
+                for part in (idx, q, scale):
+                    digest.update(part)
+                stored[f"{name}:idx"], stored[f"{name}:q"], stored[f"{name}:scale"] = idx, q, scale
+            elif codec in QMAX:
                 try:
                     q, scale = quantize_blocks(x.reshape(-1), codec, block_size, digest.update)
                 except CodecError as exc:
@@ -90,7 +106,7 @@ def encode(
         digest.close()
 
     metadata = header_metadata(
-        header, codec=codec, block_size=block_size, checksum=checksum,
+        header, codec=codec, block_size=block_size, topk=topk, checksum=checksum,
         shapes={n: list(tensors[n].shape) for n in names},
         dtypes={n: str(tensors[n].dtype).removeprefix("torch.") for n in names},
     )  # fmt: skip
@@ -185,13 +201,18 @@ def _decode(data, kind, run_id, expect, max_bytes, verify=None, require_signatur
             start, end = layout[key][2]
             digest.update(mv[data_start + start : data_start + end])
         stored = {k: load(mv, data_start, layout[k]) for k in keys}
-        tensors = {name: _restore(header, name, stored) for name in sorted(header.shapes)}
+        try:  # restored while the bytes hash; a malformed sparse payload is reported after the checksum
+            tensors, malformed = {name: _restore(header, name, stored) for name in sorted(header.shapes)}, None
+        except CodecError as exc:
+            tensors, malformed = {}, exc
         checksum = digest.hexdigest()
     finally:
         digest.close()
     if checksum != header.checksum:
         raise CodecError("checksum", f"tensor bytes hash to {checksum[:16]}..., header says "
                                      f"{header.checksum[:16]}...")  # fmt: skip
+    if malformed is not None:
+        raise malformed
     if verify is not None:
         header.signer = _check_signature(entries["__metadata__"], verify, require_signature, expected_signer)
     _check_finite(header, stored, tensors)
@@ -223,11 +244,18 @@ def _check_layout(header: Header, entries: dict[str, Any]) -> dict[str, tuple[to
         raise CodecError("codec", f"unknown codec {codec[:30]!r}")
     if codec in QMAX and not (2 <= bs <= MAX_BLOCK_SIZE and bs % 2 == 0):
         raise CodecError("codec", f"block_size {bs} is not an even number in [2, {MAX_BLOCK_SIZE}]")
+    if codec == "topk" and not (2 <= bs <= MAX_CHUNK and 1 <= header.topk <= bs):
+        raise CodecError("codec", f"topk {header.topk} of a chunk of {bs}: need 1 <= topk <= chunk <= {MAX_CHUNK}")
     wanted: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, shape in header.shapes.items():
         if ":" in name or not name:
             raise CodecError("bad_header", f"tensor name {name[:80]!r} is not allowed")
-        if codec in QMAX:
+        if codec == "topk":
+            idx_len, q_len, num_chunks = stored_sizes(numel(shape), bs, header.topk)
+            wanted[f"{name}:idx"] = ("U8", (idx_len,))
+            wanted[f"{name}:q"] = ("U8", (q_len,))
+            wanted[f"{name}:scale"] = ("F32", (num_chunks,))
+        elif codec in QMAX:
             num_blocks = -(-numel(shape) // bs)
             q_len = num_blocks * (bs if codec == "int8" else bs // 2)
             wanted[f"{name}:q"] = ("I8" if codec == "int8" else "U8", (q_len,))
@@ -235,7 +263,7 @@ def _check_layout(header: Header, entries: dict[str, Any]) -> dict[str, tuple[to
         else:
             wanted[name] = ("F32" if codec == "fp32" else "BF16", shape)
     stored = {k: v for k, v in entries.items() if k != "__metadata__"}
-    reason = "codec" if codec in QMAX else "shape"
+    reason = "codec" if codec in QMAX or codec == "topk" else "shape"
     if set(stored) != set(wanted):
         raise CodecError(reason, f"stored tensors {_names(stored)} do not match the header's {_names(wanted)}")
     layout = {}
@@ -267,13 +295,16 @@ def _restore(header: Header, name: str, stored: dict[str, torch.Tensor]) -> torc
         return stored[name]
     if header.codec == "bf16":
         return stored[name].float()
+    if header.codec == "topk":
+        return sparse_decode(stored[f"{name}:idx"], stored[f"{name}:q"], stored[f"{name}:scale"],
+                             header.block_size, header.topk, numel(shape)).view(shape)  # fmt: skip
     return dequantize_blocks(stored[f"{name}:q"], stored[f"{name}:scale"], header.codec,
                              header.block_size, numel(shape)).view(shape)  # fmt: skip
 
 
 def _check_finite(header: Header, stored: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    if header.codec in QMAX:
-        qmax = QMAX[header.codec]
+    if header.codec in QMAX or header.codec == "topk":
+        qmax = QMAX.get(header.codec, 1)
         for name in tensors:
             scale = stored[f"{name}:scale"]
             if not bool(torch.isfinite(scale * qmax).all()):

@@ -28,7 +28,7 @@ ENV_NESTED = "__"
 CONFIG_FILE_ENV = "DDILOCO_CONFIG"
 TEST_ENV_PREFIX = "DDILOCO_TEST_"  # reserved for the test harness (e.g. DDILOCO_TEST_LOCALSTACK_URL)
 
-Codec = Literal["fp32", "bf16", "int8", "int4"]  # = codec.CODECS (tested); written here to keep config free of torch
+Codec = Literal["fp32", "bf16", "int8", "int4", "topk"]  # = codec.CODECS (tested); written here to keep config free of torch
 
 
 def _check_shard(v: str) -> str:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from ddiloco_geo import codec
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.codec import CodecError, Header
+from ddiloco_geo.codec.framing import serialize
 
 fuzz = settings(max_examples=250, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
@@ -29,7 +30,7 @@ def _valid(name: str) -> bytes:
                "s": torch.randn((), generator=gen)}  # fmt: skip
     header = Header(kind="delta", run_id="run-1", learner="l-1", seq=3, base_version=2,
                     clock=VectorClock({"l-1": 3}), num_steps=4, num_tokens=512, extra={"k": [1, 2]})  # fmt: skip
-    return codec.encode(tensors, header, codec=name, block_size=16)
+    return codec.encode(tensors, header, codec=name, block_size=16, topk=4 if name == "topk" else None)
 
 
 VALID = {name: _valid(name) for name in codec.CODECS}
@@ -124,3 +125,22 @@ def test_mutations_never_escape_and_never_skip_the_checksum(name, edits, with_ch
     if mutated[span:] == original[span:] and header.shapes == codec.read_header(original).shapes:
         for key, t in tensors.items():
             assert torch.equal(t, ORIGINAL[name][key])
+
+
+@fuzz
+@given(st.sampled_from(["w:idx", "w:q", "w:scale", "b:idx", "b:q"]),
+       st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4))  # fmt: skip
+def test_topk_payload_mutations_behind_a_valid_checksum_never_escape(key, edits):
+    """The checksum recomputed over mutated sparse payloads: decode's own checks must hold."""
+    n = struct.unpack_from("<Q", VALID["topk"])[0]
+    entries = json.loads(VALID["topk"][8 : 8 + n])
+    stored = {k: v.clone() for k, v in safetensors.torch.load(VALID["topk"]).items()}
+    raw = stored[key].view(torch.uint8).view(-1)
+    for pos, value in edits:
+        raw[pos % raw.numel()] = value
+    entries["__metadata__"]["checksum"] = codec.checksum_of(stored)
+    data = serialize(stored, entries["__metadata__"])
+    result = attempt(data)
+    if result is not None:  # whatever decodes is ternary values times a finite, non-negative scale
+        for name, t in result[1].items():
+            assert t.shape == ORIGINAL["topk"][name].shape and bool(torch.isfinite(t).all())

@@ -1,0 +1,195 @@
+"""The topk codec: stored bytes and dense decode against a naive reference, sparsify, wire size,
+and every malformed sparse payload."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from ddiloco_geo import codec
+from ddiloco_geo.codec import CodecError, Header
+from ddiloco_geo.codec.framing import serialize
+from ddiloco_geo.tools.bench.codec import fragment
+
+
+def header(**changes) -> Header:
+    return Header(kind="delta", run_id="run-1", learner="l-1", seq=1, **changes)
+
+
+def randn(shape, seed=0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# --- the naive reference: one chunk at a time, plain Python ints for the bit streams --------------
+
+
+def ref_encode(x: np.ndarray, chunk: int, k: int) -> tuple[bytes, bytes, np.ndarray, np.ndarray]:
+    """(idx bytes, q bytes, scales, dense decode) of the topk codec, written the slow obvious way."""
+    flat = x.astype(np.float32).ravel()
+    width = max(1, (chunk - 1).bit_length())
+    indices, codes, scales = [], [], []
+    dense = np.zeros(flat.size, np.float32)
+    for start in range(0, flat.size, chunk):
+        part = flat[start : start + chunk]
+        order = sorted(range(part.size), key=lambda i: (-abs(float(part[i])), i))  # ties: lower index
+        kept = sorted(order[: min(k, part.size)])
+        nonzero = [abs(float(part[i])) for i in kept if part[i] != 0]
+        scale = np.float32(sum(nonzero) / len(nonzero)) if nonzero else np.float32(0)
+        scales.append(scale)
+        for i in kept:
+            sign = int(np.sign(part[i]))
+            indices.append(i)
+            codes.append(sign & 3)
+            dense[start + i] = np.float32(sign) * scale
+    return _pack(indices, width), _pack(codes, 2), np.array(scales, np.float32), dense.reshape(x.shape)
+
+
+def _pack(values: list[int], width: int) -> bytes:
+    stream = sum(v << (i * width) for i, v in enumerate(values))
+    return stream.to_bytes(-(-len(values) * width // 8), "little")
+
+
+CASES = [((), 4096, 64), ((1,), 16, 3), ((5,), 4, 4), ((4096,), 4096, 64), ((4097,), 4096, 64),
+         ((300, 7), 128, 2), ((2, 3, 64), 16, 5), ((0,), 4096, 64), ((4, 0), 16, 1), ((100,), 2, 1),
+         ((9000,), 1000, 1000), ((77,), 5, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape,chunk,k", CASES, ids=str)
+def test_topk_matches_naive_reference(shape, chunk, k):
+    x = randn(shape, seed=sum(shape) + chunk) * 3
+    data = codec.encode({"w": x}, header(), codec="topk", block_size=chunk, topk=k)
+    stored = safetensors.torch.load(data)
+    idx, q, scales, dense = ref_encode(x.numpy(), chunk, k)
+    assert bytes(stored["w:idx"].numpy()) == idx and bytes(stored["w:q"].numpy()) == q
+    assert np.array_equal(stored["w:scale"].numpy(), scales)
+    back, out = codec.decode(data)
+    assert (back.codec, back.block_size, back.topk) == ("topk", chunk, k)
+    assert out["w"].dtype == torch.float32 and tuple(out["w"].shape) == shape
+    assert np.array_equal(out["w"].numpy(), dense)
+    assert torch.equal(codec.sparsify(x, block_size=chunk, topk=k), out["w"])
+
+
+def test_ties_zeros_and_few_nonzeros_follow_the_reference():
+    x = torch.tensor([0, 1, -1, 1, 0, 2, -2, 0, 0, 0, 3, 0] * 40, dtype=torch.float32)
+    x[::7] = 0.0
+    for chunk, k in ((12, 5), (16, 7), (64, 30), (480, 400)):
+        data = codec.encode({"w": x}, header(), codec="topk", block_size=chunk, topk=k)
+        stored = safetensors.torch.load(data)
+        idx, q, scales, dense = ref_encode(x.numpy(), chunk, k)
+        assert bytes(stored["w:idx"].numpy()) == idx and bytes(stored["w:q"].numpy()) == q
+        assert np.array_equal(codec.decode(data)[1]["w"].numpy(), dense)
+        assert np.array_equal(codec.sparsify(x, block_size=chunk, topk=k).numpy(), dense)
+    zeros = codec.decode(codec.encode({"w": torch.zeros(5000)}, header(), codec="topk"))[1]["w"]
+    assert not zeros.any()
+
+
+def test_defaults_and_density():
+    h, _ = codec.decode(codec.encode({"w": randn(10_000)}, header(), codec="topk"))
+    assert (h.block_size, h.topk) == (codec.DEFAULT_CHUNK, codec.DEFAULT_TOPK) == (4096, 64)
+    h, _ = codec.decode(codec.encode({"w": randn(10_000)}, header(), codec="topk", block_size=1024))
+    assert h.topk == 16  # the default density, 1/64
+    h, _ = codec.decode(codec.encode({"w": randn(100)}, header(codec="topk", block_size=16, topk=3)))
+    assert (h.block_size, h.topk) == (16, 3)
+    for bad in ({"block_size": 4097}, {"block_size": 1}, {"block_size": 16, "topk": 17}, {"topk": -1}):
+        with pytest.raises(ValueError):
+            codec.encode({"w": randn(10)}, header(), codec="topk", **bad)
+
+
+def test_sparsify_keeps_shape_dtype_and_device_and_the_residual_is_what_was_not_sent():
+    x = randn((96, 64), 3).to(torch.bfloat16)
+    sent = codec.sparsify(x, block_size=256, topk=8)
+    assert sent.shape == x.shape and sent.dtype == torch.float32 and sent.device == x.device
+    assert int((sent != 0).sum()) == 96 * 64 // 256 * 8
+    residual = x.float() - sent
+    assert float(residual.norm()) < float(x.float().norm())
+
+
+def test_wire_is_under_a_hundredth_of_fp32_on_a_realistic_fragment():
+    tensors = fragment(4.0)
+    fp32_bytes = sum(t.numel() * 4 for t in tensors.values())
+    data = codec.encode(tensors, header(), codec="topk")
+    assert len(data) / fp32_bytes <= 1 / 100
+    kept = sum(int((t != 0).sum()) for t in codec.decode(data)[1].values())
+    assert kept == sum((t.numel() // 4096) * 64 + min(64, t.numel() % 4096) for t in tensors.values())
+
+
+def test_nonfinite_input_is_refused():
+    for bad in (float("nan"), float("inf")):
+        x = randn(10_000)
+        x[1234] = bad
+        with pytest.raises(CodecError) as err:
+            codec.encode({"w": x}, header(), codec="topk")
+        assert err.value.reason == "nonfinite"
+
+
+def test_older_codecs_carry_no_topk_field():
+    data = codec.encode({"w": randn(100)}, header(topk=5), codec="int4")
+    n = struct.unpack_from("<Q", data)[0]
+    assert "topk" not in json.loads(data[8 : 8 + n])["__metadata__"]
+    assert codec.decode(data)[0].topk == 0
+
+
+# --- every malformed sparse payload ---------------------------------------------------------------
+
+
+def forge(idx: list[int], codes: list[int], scales: list[float], numel: int, chunk: int, k: int) -> bytes:
+    """A topk object with a correct checksum around an arbitrary payload."""
+    width = max(1, (chunk - 1).bit_length())
+    stored = {
+        "w:idx": torch.tensor(list(_pack(idx, width)), dtype=torch.uint8),
+        "w:q": torch.tensor(list(_pack(codes, 2)), dtype=torch.uint8),
+        "w:scale": torch.tensor(scales, dtype=torch.float32),
+    }
+    meta = {"ddiloco.format": "1", "kind": "delta", "run_id": "run-1", "learner": "", "clock": "{}",
+            "codec": "topk", "extra": "{}", "shapes": json.dumps({"w": [numel]}),
+            "dtypes": json.dumps({"w": "float32"}), "checksum": codec.checksum_of(stored),
+            "fragment": "0", "seq": "0", "base_version": "0", "version": "-1", "num_steps": "1",
+            "num_tokens": "1", "block_size": str(chunk), "topk": str(k)}  # fmt: skip
+    return serialize(stored, meta)
+
+
+def reason_of(data: bytes) -> str:
+    with pytest.raises(CodecError) as err:
+        codec.decode(data)
+    return err.value.reason
+
+
+def test_forge_helper_builds_decodable_objects():
+    _, out = codec.decode(forge([1, 3, 0, 2], [1, 3, 0, 1], [2.0, 0.5], 8, 4, 2))
+    assert out["w"].tolist() == [0, 2, 0, -2, 0, 0, 0.5, 0]
+
+
+@pytest.mark.parametrize(
+    "idx,codes,scales,numel,chunk,k,why",
+    [
+        ([1, 4, 0, 2], [1, 1, 1, 1], [1.0, 1.0], 8, 4, 2, "index outside its chunk"),
+        ([1, 3, 0, 3], [1, 1, 1, 1], [1.0, 1.0], 7, 4, 2, "index outside the short last chunk"),
+        ([1, 1, 0, 2], [1, 1, 1, 1], [1.0, 1.0], 8, 4, 2, "duplicate index"),
+        ([3, 1, 0, 2], [1, 1, 1, 1], [1.0, 1.0], 8, 4, 2, "indices not ascending"),
+        ([1, 3, 0, 2], [1, 2, 1, 1], [1.0, 1.0], 8, 4, 2, "reserved code"),
+        ([1, 3, 0, 2], [1, 1, 1, 1], [1.0, 1.0], 8, 4, 5, "k > C"),
+        ([1, 3, 0, 2], [1, 1, 1, 1], [1.0, 1.0], 8, 4, 0, "k = 0"),
+        ([1, 3, 0, 2], [1, 1, 1, 1], [1.0, 1.0], 8, 4, 3, "wrong sizes for k"),
+        ([1, 3, 0], [1, 1, 1, 1], [1.0, 1.0], 8192, 4096, 2, "too few index bytes"),
+        ([1, 3, 0, 2], [1, 1, 1, 1], [1.0], 8, 4, 2, "too few scales"),
+        ([1, 3, 0, 2], [1, 1, 1, 1], [1.0, -1.0], 8, 4, 2, "negative scale"),
+        ([1, 1, 2], [1, 1], [1.0, 1.0], 6, 4, 1, "padding bits hold an index"),
+        ([1, 1], [1, 1, 1], [1.0, 1.0], 6, 4, 1, "padding bits hold a code"),
+        ([1, 3, 0, 2], [1, 1, 1, 1], [1.0, 1.0], 8, 5000, 2, "chunk over 4096"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_malformed_payloads_are_codec_errors(idx, codes, scales, numel, chunk, k, why):
+    assert reason_of(forge(idx, codes, scales, numel, chunk, k)) == "codec", why
+
+
+def test_nonfinite_scale_is_nonfinite_and_a_flipped_byte_is_checksum():
+    assert reason_of(forge([1, 3, 0, 2], [1, 1, 1, 1], [1.0, float("nan")], 8, 4, 2)) == "nonfinite"
+    data = bytearray(codec.encode({"w": randn(10_000)}, header(), codec="topk"))
+    data[-200] ^= 1  # an index byte: the checksum is reported before the malformed payload
+    assert reason_of(bytes(data)) == "checksum"
