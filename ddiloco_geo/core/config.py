@@ -182,6 +182,14 @@ class MetricsConfig(Section):
     address: str | None = Field(None, description="host:port for Prometheus metrics and /healthz (127.0.0.1 only by default)")
 
 
+class GcConfig(Section):
+    """Retention policy of ``ddiloco-geo gc`` (the rules are in :mod:`ddiloco_geo.ops.gc`)."""
+
+    keep_versions: int = Field(4, ge=1, description="newest global versions of each fragment always kept")
+    replay_window_s: float = Field(86400.0, ge=0, description="versions published (and deltas rejected) this recently stay replayable")
+    lag_window_s: float = Field(600.0, ge=0, description="a learner whose heartbeat is this recent keeps its base versions")
+
+
 class Settings(BaseSettings):
     """The whole tree. Sections are passed to components one at a time."""
 
@@ -199,6 +207,7 @@ class Settings(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    gc: GcConfig = Field(default_factory=GcConfig)
 
 
 SOURCES = ("default", "file", "env", "cli")
