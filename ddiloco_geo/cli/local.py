@@ -1,3 +1,60 @@
-"""TEMPORARY SHIM: ``ddiloco-geo local`` until its argparse code moves here."""
+"""``ddiloco-geo local``: flags, settings, and the human summary of :class:`~ddiloco_geo.tools.local.LocalRun`."""
 
-from ddiloco_geo.tools.local import add_arguments as add_arguments, run as run  # noqa: F401
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ddiloco_geo.cli.settings import settings_from
+from ddiloco_geo.tools.local import LocalRun
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--learners", type=int, help="number of learner processes M (default 3)")
+    p.add_argument("--out", help="directory for summary.json, training.png and logs (default ./out)")
+    p.add_argument("--steps", type=int, help="inner steps per learner")
+    p.add_argument("--model", help="built-in model size (nano, tiny, small, ...)")
+    p.add_argument("--quorum", type=int, help="syncer quorum K")
+    p.add_argument("--join", action="store_true", help="join the existing run at --store instead of starting fresh")
+    p.add_argument("--eval-every", type=float, default=20.0, help="seconds between global evaluations (0: start and end only)")
+    p.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live table")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings, _ = settings_from(args, {
+        "local.learners": args.learners, "local.out": args.out, "learner.max_steps": args.steps,
+        "model.name": args.model, "syncer.quorum": args.quorum, "local.fresh": False if args.join else None,
+    })
+    summary = LocalRun(settings, eval_every_s=args.eval_every, live=not args.no_live and not args.json).run()
+    if args.json:
+        print(json.dumps(summary, indent=1, default=str))
+    else:
+        print_summary(summary, Path(settings.local.out))
+    ok = summary["deltas_unaccounted"] == 0 and summary["processes_failed"] == 0
+    return 0 if ok else 1
+
+
+def print_summary(summary: dict[str, Any], out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="ddiloco-geo local: summary", show_header=False)
+    ratio = summary.get("dp_allreduce_ratio")
+    rows = [
+        ("global eval loss", f"{summary['initial_eval_loss']:.3f} -> {summary['final_eval_loss']:.3f}"),
+        ("learners / tokens", f"{summary['num_learners']} / {summary['tokens_total']:,}"),
+        ("versions published", f"{sum(summary['versions_published'].values())} over {summary['num_fragments']} fragments"),
+        ("deltas written / merged / rejected / unaccounted",
+         f"{summary['deltas_written']} / {summary['deltas_merged']} / {summary['deltas_rejected']} / "
+         f"{summary['deltas_unaccounted']}"),
+        ("bytes up / down", f"{summary['bytes_up'] / 2**20:.1f} MiB / {summary['bytes_down'] / 2**20:.1f} MiB"),
+        ("data-parallel all-reduce would move", f"{summary['dp_allreduce_bytes'] / 2**20:.1f} MiB"
+         + (f" ({ratio:.1f}x more)" if ratio else "")),
+        ("wall time", f"{summary['wall_s']:.0f} s"),
+        ("written", f"{out / 'summary.json'}, {out / 'training.png'}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)

@@ -1,0 +1,94 @@
+"""The fault-free baseline of a chaos run: the same job without chaos, for ``loss_ratio``.
+
+Same settings, M learners and steps, on a fresh prefix of the same bucket, run by
+:class:`~ddiloco_geo.tools.local.LocalRun` (what ``ddiloco-geo local`` runs): no proxies, no
+stragglers, no kills, no storage faults. Its children get the chaos run's environment (no
+``DDILOCO_*`` variables: the settings file decides). It runs in a thread so the chaos run's hard
+deadline still holds: past it, the baseline's processes are SIGKILLed and the report says
+``baseline_error``. A failed baseline is reported, never raised: the chaos report stands on its own.
+
+Adds to the report: ``baseline_store``, ``baseline_eval_loss``, ``loss_ratio`` (chaos final loss /
+baseline final loss), ``baseline_deltas_unaccounted`` and ``goodput_baseline`` (the same goodput
+computation over the baseline's one incarnation per learner).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ddiloco_geo import protocol
+from ddiloco_geo.core import layout
+from ddiloco_geo.core.config import Settings
+from ddiloco_geo.core.errors import NotFoundError
+from ddiloco_geo.storage import open_store
+from ddiloco_geo.tools.chaos.goals import compute_goodput
+from ddiloco_geo.tools.local import LocalRun
+
+log = logging.getLogger(__name__)
+
+
+def run_baseline(settings: Settings, report: dict[str, Any], *, url: str, out: Path, env: Mapping[str, str],
+                 deadline: float) -> None:
+    """Run the baseline at ``url`` and add its figures to ``report``. ``deadline``: ``time.monotonic()``
+    after which its processes are killed."""
+    settings = settings.model_copy(update={
+        "storage": settings.storage.model_copy(update={"url": url}),
+        "local": settings.local.model_copy(update={"out": str(out)}),
+    })
+    log.info("chaos_baseline_start store=%s", url)
+    lr = LocalRun(settings, eval_every_s=0, live=False, env=env)
+    result: dict[str, Any] = {}
+
+    def go() -> None:
+        try:
+            result["summary"] = lr.run()
+        except Exception as exc:  # reported, not raised: the chaos report stands on its own
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=go, name="baseline", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(1.0)
+        if time.monotonic() > deadline:
+            log.error("chaos_baseline_timeout: killing its processes")
+            lr.kill_all()
+            thread.join(60)
+            break
+    if "summary" not in result:
+        report["baseline_error"] = result.get("error", "timed out")
+        return
+    s = result["summary"]
+    report["baseline_store"] = url
+    report["baseline_eval_loss"] = s["final_eval_loss"]
+    report["loss_ratio"] = round(report["final_eval_loss"] / s["final_eval_loss"], 4)
+    report["baseline_deltas_unaccounted"] = s["deltas_unaccounted"]
+    report["goodput_baseline"] = baseline_goodput(settings, s["learners"])
+
+
+def baseline_goodput(settings: Settings, learners: Iterable[str]) -> float | None:
+    """Goodput of the baseline run: one incarnation per learner, from step 0 to its exit record's step."""
+    store = open_store(settings.storage)
+    try:
+        spec = protocol.load_spec(store)
+        incs, merged = {}, []
+        for lid in learners:
+            try:
+                rec = json.loads(store.get(layout.exit_key(lid)))
+            except (NotFoundError, ValueError):
+                continue
+            incs[lid] = [{"s0": 0, "s1": int(rec["step"]), "first_seq": 0, "parent": None}]
+        for r in protocol.merge_records(store):
+            for e in r.get("merged", []):
+                h = protocol.read_header(store, e["key"])
+                merged.append({"learner": h.learner, "seq": h.seq, "fragment": h.fragment,
+                               "num_steps": h.num_steps, "step": int(h.extra.get("step", 0))})
+        gp = compute_goodput(incs, merged, spec.plan.num_fragments)
+        return None if gp["goodput"] is None else round(gp["goodput"], 4)
+    finally:
+        store.close()
