@@ -1,3 +1,30 @@
-"""TEMPORARY SHIM: ``ddiloco-geo export`` until its argparse code moves here."""
+"""``ddiloco-geo export --store URL [--snapshot ID] --out FILE``: write the global model (newest
+versions, or the snapshot's) as one plain safetensors file (:func:`ddiloco_geo.ops.snapshot.export_model`)."""
 
-from ddiloco_geo.ops.snapshot import add_export_arguments as add_arguments, run_export as run  # noqa: F401
+from __future__ import annotations
+
+import argparse
+import json
+
+from ddiloco_geo.cli.settings import settings_from
+from ddiloco_geo.ops.snapshot import export_model, load_manifest
+from ddiloco_geo.storage import open_store
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--snapshot", metavar="ID", help="export the snapshot's versions (default: the newest)")
+    p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings, _ = settings_from(args)
+    store = open_store(settings.storage)
+    try:
+        manifest = load_manifest(store, args.snapshot) if args.snapshot else None
+        result = export_model(store, args.out, manifest)
+    finally:
+        store.close()
+    print(json.dumps(result, default=str) if args.json else
+          f"wrote {result['out']}: {result['tensors']} tensors, {result['parameters']} parameters, "
+          f"versions {result['versions']}")
+    return 0

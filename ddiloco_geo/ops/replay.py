@@ -44,16 +44,13 @@ replay is bit-exact when it runs with the syncer's torch version and ISA level. 
 version, ISA level and thread count replay ran with.
 
 Exit status: 0 if everything matches, 1 on the first divergence (per fragment; other fragments are
-still checked), 2 on a configuration error.
+still checked), 2 on a configuration error. The command line is :mod:`ddiloco_geo.cli.replay`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,17 +58,13 @@ from typing import Any
 
 import torch
 
-from ddiloco_geo import codec
-
-from ddiloco_geo.core import layout
-
-from ddiloco_geo.core import merge
-
-from ddiloco_geo import protocol
+from ddiloco_geo import codec, protocol
+from ddiloco_geo.core import layout, merge
+from ddiloco_geo.core.config import ModelConfig
 from ddiloco_geo.core.errors import CodecError, DdilocoError, NotFoundError
-from ddiloco_geo.core.outer import MOMENTUM_PREFIX, OuterOptimizer
 from ddiloco_geo.core.merge import anchor
-from ddiloco_geo.core.outer import merge_and_step
+from ddiloco_geo.core.model import build_model, is_embedding
+from ddiloco_geo.core.outer import MOMENTUM_PREFIX, OuterOptimizer, merge_and_step
 from ddiloco_geo.protocol.publish import RESIDUAL, compress_update, outer_state_from_wire
 from ddiloco_geo.storage import Store
 
@@ -332,8 +325,6 @@ def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any]
            initial_params: dict[str, torch.Tensor] | None = None, update_codec: str | None = "int4",
            progress: Callable | None = None) -> dict[str, Any]:
     """Check every published version of ``fragments`` (default: all); returns the JSON result."""
-    from ddiloco_geo.core.model import is_embedding
-
     patterns = spec.model.get("embedding_patterns") or ["wte", "wpe", "embed", "lm_head"]
     if initial_params is None:
         initial_params = initial_weights(spec)
@@ -370,69 +361,5 @@ def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any]
 
 def initial_weights(spec: protocol.RunSpec) -> dict[str, torch.Tensor]:
     """The model's initial fp32 weights, from run.json's model settings (as the syncer built them)."""
-    from ddiloco_geo.core import model as modelmod
-    from ddiloco_geo.core.config import ModelConfig
-
-    net = modelmod.build_model(ModelConfig(**spec.model))
+    net = build_model(ModelConfig(**spec.model))
     return {n: t.detach().to(torch.float32) for n, t in net.named_parameters()}
-
-
-# --- command line --------------------------------------------------------------------------------
-
-
-def add_replay_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--fragment", type=int, action="append", metavar="P",
-                   help="replay only fragment P (repeatable; default: all)")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch intra-op threads for the recomputation (default: torch's default)")
-
-
-add_arguments = add_replay_arguments
-
-
-class _Progress:
-    def __init__(self, every_s: float = 2.0) -> None:
-        self.every_s = every_s
-        self.last = time.monotonic()
-
-    def __call__(self, p: int, v: int, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self.last >= self.every_s:
-            self.last = now
-            print(f"replay: {done}/{total} versions (fragment {p} version {v})", file=sys.stderr, flush=True)
-
-
-def run_replay(args: argparse.Namespace) -> int:
-    from ddiloco_geo.cli.settings import settings_from
-    from ddiloco_geo.storage import open_store
-
-    settings, _ = settings_from(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = settings.syncer
-    outer_kwargs = {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.nesterov}
-    store = open_store(settings.storage)
-    try:
-        spec = protocol.load_spec(store)
-        result = replay(store, spec, outer_kwargs=outer_kwargs, fragments=args.fragment,
-                        update_codec=cfg.update_codec, progress=_Progress())
-    finally:
-        store.close()
-    if args.json:
-        print(json.dumps(result, default=str))
-    else:
-        d = result["first_divergence"]
-        if d is None:
-            roots = f"; rooted at {result['roots']}" if result["roots"] else ""
-            print(f"replay ok: {result['versions_checked']} versions of {result['fragments']} fragments match "
-                  f"bit for bit{roots}")
-        else:
-            print(f"replay DIVERGED at fragment {d['fragment']} version {d['version']}: {d['what']}"
-                  f"{' tensor ' + d['tensor'] if d['tensor'] else ''}"
-                  f"{' max |diff| ' + repr(d['max_abs_diff']) if d['max_abs_diff'] is not None else ''}: {d['detail']}")
-            print(f"  ({result['versions_checked']} versions matched; outer {outer_kwargs}; torch "
-                  f"{result['torch_version']} {result['cpu_capability']} threads {result['torch_threads']})")
-    return 0 if result["ok"] else 1
-
-
-run = run_replay

@@ -32,7 +32,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -42,16 +41,14 @@ from datetime import datetime, timezone
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
-from ddiloco_geo import codec
-
+from ddiloco_geo import codec, protocol
 from ddiloco_geo.core import layout
-
-from ddiloco_geo import protocol
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.errors import CodecError, DdilocoError, NotFoundError
-from ddiloco_geo.storage import Store
 from ddiloco_geo.protocol.publish import commit_version
+from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +75,8 @@ def _clock_json(clock: VectorClock) -> dict[str, int]:
 
 def _list_deltas(store: Store) -> list[str]:
     found = []
-    for prefix in store.list_prefixes(layout.LEARNERS):
-        learner = prefix[len(layout.LEARNERS):].strip("/")
-        if layout.ID_PATTERN.match(learner):
-            found.extend(store.list(layout.deltas_dir(learner)))
+    for learner in protocol.learner_ids(store)[0]:
+        found.extend(store.list(layout.deltas_dir(learner)))
     return found
 
 
@@ -320,8 +315,6 @@ def rollback(store: Store, manifest: dict[str, Any], *, force: bool = False,
 
 def export_model(store: Store, out: str, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the global model to ``out`` (atomically); returns what was written."""
-    from safetensors.torch import save_file
-
     spec = protocol.load_spec(store)
     if manifest is None:
         params, versions = protocol.read_global_params(store, spec)
@@ -354,87 +347,3 @@ def export_model(store: Store, out: str, manifest: dict[str, Any] | None = None)
     return {"out": out, "run_id": spec.run_id, "versions": {str(p): v for p, v in sorted(versions.items())},
             "tensors": len(tensors), "parameters": int(sum(t.numel() for t in tensors.values())),
             "bytes": os.path.getsize(out), "snapshot": metadata["snapshot"] or None}
-
-
-# --- command line --------------------------------------------------------------------------------
-
-
-def add_snapshot_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--id", help="snapshot id (default: the UTC time, e.g. s20261129t174500z)")
-
-
-def add_restore_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--snapshot", required=True, metavar="ID", help="snapshot to restore")
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--to", metavar="URL", help="start a new run at URL from the snapshot")
-    mode.add_argument("--rollback", action="store_true",
-                      help="roll this run back: publish new versions equal to the snapshot's")
-    p.add_argument("--force", action="store_true", help="roll back even if a syncer looks active")
-    p.add_argument("--active-window", type=float, default=DEFAULT_ACTIVE_WINDOW_S, metavar="S",
-                   help="a syncer status/lease updated within S seconds counts as active (default %(default)s)")
-
-
-def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--snapshot", metavar="ID", help="export the snapshot's versions (default: the newest)")
-    p.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
-
-
-def _open(args: argparse.Namespace):
-    from ddiloco_geo.cli.settings import settings_from
-    from ddiloco_geo.storage import open_store
-
-    settings, _ = settings_from(args)
-    return settings, open_store(settings.storage)
-
-
-def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> None:
-    print(json.dumps(result, default=str) if args.json else text)
-
-
-def run_snapshot(args: argparse.Namespace) -> int:
-    _, store = _open(args)
-    try:
-        spec = protocol.load_spec(store)
-        m = take_snapshot(store, spec, args.id)
-    finally:
-        store.close()
-    versions = snapshot_versions(m)
-    _emit(args, {"snapshot": m["snapshot"], "key": layout.snapshot_manifest_key(m["snapshot"]),
-                 "versions": {str(p): v for p, v in versions.items()}, "in_flight": len(m["in_flight"])},
-          f"snapshot {m['snapshot']}: versions {versions}, {len(m['in_flight'])} deltas in flight")
-    return 0
-
-
-def run_restore(args: argparse.Namespace) -> int:
-    from ddiloco_geo.storage import open_store
-
-    settings, store = _open(args)
-    try:
-        manifest = load_manifest(store, args.snapshot)
-        if args.rollback:
-            result = rollback(store, manifest, force=args.force, active_window_s=args.active_window)
-            _emit(args, result, f"rolled back to snapshot {args.snapshot}: new versions {result['published']}, "
-                                f"unchanged fragments {result['unchanged']}")
-        else:
-            dst = open_store(settings.storage.model_copy(update={"url": args.to}))
-            try:
-                versions = restore_to(store, manifest, dst)
-            finally:
-                dst.close()
-            _emit(args, {"snapshot": args.snapshot, "to": args.to, "versions": {str(p): v for p, v in versions.items()}},
-                  f"new run at {args.to} from snapshot {args.snapshot}: versions {versions}")
-    finally:
-        store.close()
-    return 0
-
-
-def run_export(args: argparse.Namespace) -> int:
-    _, store = _open(args)
-    try:
-        manifest = load_manifest(store, args.snapshot) if args.snapshot else None
-        result = export_model(store, args.out, manifest)
-    finally:
-        store.close()
-    _emit(args, result, f"wrote {result['out']}: {result['tensors']} tensors, {result['parameters']} parameters, "
-                        f"versions {result['versions']}")
-    return 0

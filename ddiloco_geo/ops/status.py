@@ -1,22 +1,23 @@
-"""``ddiloco-geo status``: a view of a run built from the bucket alone (never writes to it).
+"""A view of a run built from the bucket alone (never writes to it): ``ddiloco-geo status``.
 
-:func:`collect` reads every learner's heartbeat and exit record, the globals index and the syncer
-status objects, and returns one JSON-able dict. :class:`LiveView` renders it with rich (on a
-terminal) or as periodic plain log lines; ``ddiloco-geo local`` uses it for its live view.
+:func:`collect` reads every learner's heartbeat and exit record, the quarantine records, the
+globals index and the syncer status objects, and returns one JSON-able dict. :func:`render` draws
+it as a rich table; :class:`LiveView` refreshes it with rich (on a terminal) or as periodic plain
+log lines; ``ddiloco-geo local`` uses it for its live view. A learner whose last heartbeat is older
+than :data:`SILENT_AFTER_S` and that has no exit record is ``silent``. Unreadable or non-object
+JSON records read as absent (:func:`read_record`). The command line is :mod:`ddiloco_geo.cli.status`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 import time
 from typing import Any
 
-from ddiloco_geo.core import layout
-
 from ddiloco_geo import protocol
+from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import NotFoundError, StorageError
 from ddiloco_geo.core.signing import verify_record
 from ddiloco_geo.storage import Store
@@ -26,11 +27,13 @@ log = logging.getLogger(__name__)
 SILENT_AFTER_S = 30.0
 
 
-def _json_or_none(store: Store, key: str) -> dict[str, Any] | None:
+def read_record(store: Store, key: str) -> dict[str, Any] | None:
+    """The JSON object at ``key``; None if it is missing, not JSON, or not an object."""
     try:
-        return json.loads(store.get(key))
+        value = json.loads(store.get(key))
     except (NotFoundError, ValueError):
         return None
+    return value if isinstance(value, dict) else None
 
 
 def collect(store: Store, egress_usd_per_gb: float = 0.02, verifier=None) -> dict[str, Any]:
@@ -38,13 +41,10 @@ def collect(store: Store, egress_usd_per_gb: float = 0.02, verifier=None) -> dic
     each learner's heartbeat is checked against its signature (``signed``: true/false/null)."""
     now = time.time()
     learners = []
-    quarantined = {k.rsplit("/", 1)[-1][: -len(".json")] for k in store.list(layout.SYNCER + "quarantine/")}
-    for prefix in store.list_prefixes(layout.LEARNERS):
-        name = prefix[len(layout.LEARNERS):].strip("/")
-        if not layout.ID_PATTERN.match(name):
-            continue
-        hb = _json_or_none(store, layout.heartbeat_key(name)) or {}
-        ex = _json_or_none(store, layout.exit_key(name))
+    quarantined = protocol.quarantined_learners(store)
+    for name in protocol.learner_ids(store)[0]:
+        hb = read_record(store, layout.heartbeat_key(name)) or {}
+        ex = read_record(store, layout.exit_key(name))
         age = now - float(hb.get("time", 0)) if hb else None
         state = "exited" if ex else ("alive" if age is not None and age < SILENT_AFTER_S else "silent")
         learners.append({
@@ -60,7 +60,7 @@ def collect(store: Store, egress_usd_per_gb: float = 0.02, verifier=None) -> dic
     index, _ = protocol.read_index(store)
     syncers = []
     for key in store.list(layout.SYNCER + "status/"):
-        st = _json_or_none(store, key)
+        st = read_record(store, key)
         if st:
             st["age_s"] = now - float(st.get("time", now))
             syncers.append({k: st.get(k) for k in ("shard", "age_s", "versions", "pending", "counters",
@@ -141,40 +141,3 @@ class LiveView:
     def __exit__(self, *exc) -> None:
         if self._live is not None:
             self._live.__exit__(*exc)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", nargs="?", help="the run's --store URL")
-    p.add_argument("--watch", action="store_true", help="refresh until interrupted")
-    p.add_argument("--egress-usd-per-gb", type=float, default=0.02, help="price of cross-region traffic for the estimate")
-
-
-def run(args: argparse.Namespace) -> int:
-    from ddiloco_geo.cli.settings import settings_from
-    from ddiloco_geo.storage import open_store
-
-    settings, _ = settings_from(args, {"storage.url": args.url})
-    store = open_store(settings.storage)
-    verifier = None
-    if settings.security.run_secret is not None:
-        from ddiloco_geo.core.signing import run_verifier
-
-        verifier = run_verifier(settings.security.run_secret.get_secret_value())
-    try:
-        if args.json:
-            print(json.dumps(collect(store, args.egress_usd_per_gb, verifier), indent=1, default=str))
-            return 0
-        from rich.console import Console
-
-        console = Console()
-        if not args.watch:
-            console.print(render(collect(store, args.egress_usd_per_gb, verifier)))
-            return 0
-        with LiveView(store, live=True) as view:
-            while True:
-                view.refresh()
-                time.sleep(2)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        store.close()

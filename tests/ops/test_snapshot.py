@@ -113,7 +113,7 @@ def test_snapshot_taken_between_the_reads_of_a_merging_syncer_is_consistent(hist
     run, syncer = history(rounds=2)
     import ddiloco_geo.ops.snapshot as snapmod
 
-    real = snapmod.runmod.list_versions
+    real = snapmod.protocol.list_versions
     done = []
 
     def racing_list_versions(store, fragment):
@@ -127,7 +127,7 @@ def test_snapshot_taken_between_the_reads_of_a_merging_syncer_is_consistent(hist
         return real(store, fragment)
 
     run.write_delta("c", 1, base_version=2)  # in flight before the cut
-    monkeypatch.setattr(snapmod.runmod, "list_versions", racing_list_versions)
+    monkeypatch.setattr(snapmod.protocol, "list_versions", racing_list_versions)
     m = take_snapshot(run.store, run.spec, "racy")
     monkeypatch.undo()
     assert {f["version"] for f in m["fragments"].values()} == {3}
