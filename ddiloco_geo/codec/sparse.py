@@ -30,6 +30,8 @@ lives (on an accelerator only the kept values come back); the rest is small.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ddiloco_geo.core.errors import CodecError
@@ -97,14 +99,32 @@ def _top(x2: torch.Tensor, k: int) -> torch.Tensor:
     rows, width = x2.shape
     if k >= width:
         return torch.arange(width, device=x2.device).expand(rows, width)
-    a = x2.abs()
-    vals, idx = torch.topk(a, k + 1, dim=1, sorted=True)
-    tied = vals[:, k - 1] == vals[:, k]  # the k-th and (k+1)-th tie: topk may have picked either
-    idx = idx[:, :k]
+    a = torch.abs(x2, out=_abs_scratch(x2))
+    vals, idx = torch.topk(a, k + 1, dim=1, sorted=False)  # unsorted: a third cheaper on CPU
+    if not bool(torch.isfinite(vals).all()):  # NaN and Inf always rank among the largest
+        raise CodecError("nonfinite", "NaN or Inf in input")
+    low = vals.min(dim=1, keepdim=True).values
+    # The (k+1)-th value is dropped; if it ties with another kept one, topk may have picked either.
+    tied = (vals == low).sum(dim=1) > 1
+    keep = torch.ones_like(idx, dtype=torch.bool).scatter_(1, vals.argmin(dim=1, keepdim=True), False)
+    idx = idx[keep].view(rows, k)
     if bool(tied.any()):
         which = tied.nonzero().view(-1)
         idx[which] = torch.sort(a[which], dim=1, descending=True, stable=True).indices[:, :k]
     return idx.sort(dim=1).values
+
+
+_LOCAL = threading.local()
+
+
+def _abs_scratch(x2: torch.Tensor) -> torch.Tensor:
+    """A buffer for |x2|: on CPU kept per thread (fresh multi-MB buffers cost page faults)."""
+    if x2.device.type != "cpu":
+        return torch.empty_like(x2)
+    buf = getattr(_LOCAL, "abs", None)
+    if buf is None or buf.numel() < x2.numel():
+        buf = _LOCAL.abs = torch.empty(max(x2.numel(), _CHUNK_ROWS * MAX_CHUNK), dtype=torch.float32)
+    return buf[: x2.numel()].view(x2.shape)
 
 
 def scales_of(values: torch.Tensor, numel: int, chunk: int, topk: int) -> torch.Tensor:

@@ -193,3 +193,13 @@ def test_nonfinite_scale_is_nonfinite_and_a_flipped_byte_is_checksum():
     data = bytearray(codec.encode({"w": randn(10_000)}, header(), codec="topk"))
     data[-200] ^= 1  # an index byte: the checksum is reported before the malformed payload
     assert reason_of(bytes(data)) == "checksum"
+
+
+def test_what_was_sent_encodes_to_itself():
+    """The learner may encode ``sent = sparsify(e)`` instead of ``e``: the same object decodes."""
+    x = randn((70, 300), 9)
+    x[:, 100:] = 0  # chunks with fewer non-zeros than k too
+    sent = codec.sparsify(x, block_size=512, topk=40)
+    assert torch.equal(codec.sparsify(sent, block_size=512, topk=40), sent)
+    _, out = codec.decode(codec.encode({"w": sent}, header(), codec="topk", block_size=512, topk=40))
+    assert torch.equal(out["w"], sent)
