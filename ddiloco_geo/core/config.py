@@ -99,6 +99,10 @@ class LearnerConfig(Section):
     max_steps: int = Field(300, ge=1, description="inner steps this learner takes before exiting")
     max_time_s: float | None = Field(None, gt=0)
     alpha: float = Field(0.0, ge=0, lt=1, description="mixing factor on adoption: local = alpha*local + (1-alpha)*global; 0 overwrites")
+    adopt: Literal["overwrite", "keep_progress"] = Field(
+        "overwrite", description="on a new global G of fragment p: 'overwrite' sets local_p = G (work since the last "
+        "delta was sent is lost); 'keep_progress' sets local_p = G + (local_p - ref_p), ref_p = local_p at the last "
+        "send (or the base at the last adoption if none since), keeping the unsent work")
     checkpoint_on_exit: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
     upload_queue: int = Field(8, ge=1, description="deltas waiting for upload before the oldest is dropped and counted")
     poll_s: float = Field(0.5, gt=0, description="interval between polls for new global versions")

@@ -133,6 +133,17 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         self.resumed_from = self._resume(index)
+        # per fragment: the local tensors at the last send (or the base at the last adoption) and the
+        # counters at that point; at join (fresh, or resumed from a checkpoint written after every
+        # fragment was flushed) everything local is accounted for
+        self.keep_progress = self.cfg.adopt == "keep_progress"
+        self.ref: dict[int, dict[str, torch.Tensor]] = {}
+        if self.keep_progress:
+            self.ref = {p: modelmod.get_tensors(self.model, self.spec.plan.fragments[p]) for p in range(P)}
+        self.c_ref_steps = list(self.c_steps)
+        self.c_ref_tokens = list(self.c_tokens)
+        self.frag_steps_trained = 0    # fragment-steps: one per fragment per inner step
+        self.frag_steps_discarded = 0  # trained, then overwritten on adoption before any send carried them
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else None
         if self.rank == 0:
             self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
@@ -233,17 +244,30 @@ class Learner:
     # --- the step --------------------------------------------------------------------------------
 
     def adopt(self, adoptions: dict) -> None:
+        """Adopt new global versions (``learner.adopt``): overwrite the fragment, losing the work since
+        its last send, or keep that work on top of the new global (``keep_progress``): the sent part
+        is in flight to the syncer, the unsent part stays local and goes out with the next delta."""
         if adoptions:
             self.metrics.globals_adopted_total.inc(len(adoptions))
         for p, (version, tensors, clock) in adoptions.items():
-            modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()}, alpha=self.cfg.alpha)
+            unsent_steps = self.c_steps[p] - self.c_ref_steps[p]
+            unsent_tokens = self.c_tokens[p] - self.c_ref_tokens[p]
+            if self.keep_progress:
+                local = modelmod.get_tensors(self.model, tensors.keys())
+                target = {n: t + (local[n] - self.ref[p][n]) for n, t in tensors.items()}
+                modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in target.items()}, alpha=self.cfg.alpha)
+                self.ref[p] = tensors
+                self.c_steps[p], self.c_tokens[p] = unsent_steps, unsent_tokens
+            else:
+                modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()}, alpha=self.cfg.alpha)
+                self.frag_steps_discarded += unsent_steps
+                self.c_steps[p] = self.c_tokens[p] = 0
+                self.last_sent_step[p] = self.step
+            self.c_ref_steps[p] = self.c_ref_tokens[p] = 0
             if self.rank == 0:
                 self.base[p] = tensors
                 self.base_version[p] = version
                 self.clock = self.clock.merge(clock)
-            self.c_steps[p] = 0
-            self.c_tokens[p] = 0
-            self.last_sent_step[p] = self.step
 
     def lr_at(self, step: int) -> float:
         return lr_schedule(step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.max_steps)
@@ -265,17 +289,27 @@ class Learner:
         for p in range(len(self.c_steps)):
             self.c_steps[p] += 1
             self.c_tokens[p] += step_tokens
+        self.frag_steps_trained += len(self.c_steps)
         return float(loss.detach())
 
     def send(self, p: int, step_s: float) -> None:
+        """Rank 0 uploads; every rank records the send (keep_progress needs the same ref everywhere)."""
         if self.c_steps[p] < 1 or self.last_sent_step[p] == self.step:
             return
         names = self.spec.plan.fragments[p]
         local = modelmod.get_tensors(self.model, names)
-        pseudo_grad = {n: self.base[p][n] - local[n] for n in names}
-        self.uploader.submit(Outgoing(p, pseudo_grad, self.base_version[p], self.c_steps[p], self.c_tokens[p],
-                                      self.step, step_s, self.clock))
+        if self.rank == 0:
+            pseudo_grad = {n: self.base[p][n] - local[n] for n in names}
+            self.uploader.submit(Outgoing(p, pseudo_grad, self.base_version[p], self.c_steps[p], self.c_tokens[p],
+                                          self.step, step_s, self.clock))
         self.last_sent_step[p] = self.step
+        if self.keep_progress:
+            self.ref[p] = local
+        self.c_ref_steps[p], self.c_ref_tokens[p] = self.c_steps[p], self.c_tokens[p]
+
+    def discarded_ratio(self) -> float:
+        """Share of trained fragment-steps thrown away by overwriting adoptions."""
+        return self.frag_steps_discarded / max(1, self.frag_steps_trained)
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -326,9 +360,9 @@ class Learner:
         self.step_ema = dt if self.step_ema is None else 0.9 * self.step_ema + 0.1 * dt
         self._observe_step(dt, loss)
         self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        for p in self.schedule.due(self.step) if self.cfg.sync_enabled else ():
+            self.send(p, self.step_ema)
         if self.rank == 0:
-            for p in self.schedule.due(self.step) if self.cfg.sync_enabled else ():
-                self.send(p, self.step_ema)
             if self.step % self.cfg.log_every == 0:
                 self.history.append({"step": self.step, "tokens": self.tokens_total, "loss": self.loss_ema,
                                      "time": time.time()})
@@ -433,6 +467,7 @@ class Learner:
             "step_s": step_s, "versions": self.base_version, "time": time.time(), "host": socket.gethostname(),
             "pid": os.getpid(), "world_size": self.world, "uploads": dict(self.uploader.counters),
             "upload_queue": self.uploader.depth(), "poller": dict(self.poller.counters),
+            "fragment_steps": {"trained": self.frag_steps_trained, "discarded": self.frag_steps_discarded},
             "storage": self.store.stats.snapshot(),
         }
 

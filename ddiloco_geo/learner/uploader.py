@@ -1,8 +1,8 @@
 """The learner's bounded background uploader: encodes and writes deltas create-only, in order.
 
-A learner step never waits for it. If the queue is full, a queued delta for the same fragment is
-replaced (a delta's pseudo-gradient and counters are cumulative since the learner last adopted that
-fragment, so the newer one contains the older: nothing is lost, ``deltas_coalesced``); otherwise the
+A learner step never waits for it. If the queue is full, a queued delta for the same fragment and
+the same base version is replaced (a delta's pseudo-gradient and counters are cumulative since the
+learner adopted that base, so the newer one contains the older: nothing is lost, ``deltas_coalesced``); otherwise the
 oldest is dropped and counted (``deltas_dropped``). A write that fails beyond the store's retries is
 kept and retried with backoff. A key that already exists is either our own earlier write whose
 response was lost (same bytes: done) or an earlier incarnation's (next sequence number).
@@ -73,7 +73,8 @@ class Uploader:
             return
         with self.cond:
             for i, queued in enumerate(self.queue):
-                if queued.fragment == item.fragment:
+                # cumulative since their base: only a delta on the same base contains the queued one
+                if queued.fragment == item.fragment and queued.base_version == item.base_version:
                     self.queue[i] = item
                     self.counters["deltas_coalesced"] += 1
                     self.metrics.upload_drops_total.inc(reason="coalesced")
@@ -107,7 +108,7 @@ class Uploader:
                 self.counters["upload_errors"] += 1
                 log.warning("delta_upload_failed fragment=%d error=%s action=retry_in=%.1fs", item.fragment, exc, backoff)
                 with self.cond:  # back to the front, unless a newer delta of its fragment (which contains it) is queued
-                    if not any(q.fragment == item.fragment for q in self.queue):
+                    if not any(q.fragment == item.fragment and q.base_version == item.base_version for q in self.queue):
                         self.queue.appendleft(item)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)

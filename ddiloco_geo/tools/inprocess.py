@@ -10,6 +10,10 @@ the wire codec, the merge and the outer optimizer are exactly the production cod
 
 Network latency is modelled as zero (deltas arrive the instant they are written); the real
 processes (``ddiloco-geo local``) and the WAN proxy cover the network.
+
+Faults (:class:`Fault`): a learner is killed at one of its steps (nothing flushed, no checkpoint,
+like SIGKILL) and a new incarnation with the same id joins ``down_steps`` of its step times later,
+as a restarted process would (from the latest globals, or its last checkpoint if it had one).
 """
 
 from __future__ import annotations
@@ -31,13 +35,21 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Fault:
+    learner: int      # index of the learner killed
+    at_step: int      # its step count when it is killed
+    down_steps: int   # how many of its step times pass before it restarts
+
+
+@dataclass
 class LearnerSpeed:
     step_s: float = 1.0      # mean simulated step time
     jitter_ratio: float = 0.0  # std of the step time as a fraction of the mean
 
 
 class InProcessRun:
-    def __init__(self, settings, speeds: list[LearnerSpeed], *, seed: int = 0, store_url: str | None = None) -> None:
+    def __init__(self, settings, speeds: list[LearnerSpeed], *, seed: int = 0, store_url: str | None = None,
+                 faults: list[Fault] | None = None) -> None:
         self.now = 0.0
         self.rng = random.Random(seed)
         M = len(speeds)
@@ -50,17 +62,30 @@ class InProcessRun:
                              is_embedding=embedding_rule(self.settings.model), now=lambda: self.now)
         self.syncer.bootstrap(params)
         self.speeds = speeds
-        self.learners = []
-        for i in range(M):
-            lcfg = self.settings.learner.model_copy(update={"id": f"learner-{i}"})
-            dcfg = self.settings.data.model_copy(update={"shard": f"{i}/{M}"})
-            s_i = self.settings.model_copy(update={"learner": lcfg, "data": dcfg})
-            # each learner its own Store on the same bucket, so its bytes are counted on their own
-            learner = Learner.from_settings(s_i, open_store(s_i.storage), inline_io=True)
-            learner.join()
-            learner.start_clock()
-            self.learners.append(learner)
+        self.faults = list(faults or [])
+        self.retired: list[Learner] = []  # killed incarnations (their tokens still count)
+        self.learners = [self._start_learner(i) for i in range(M)]
         self.loop = asyncio.new_event_loop()
+
+    def _start_learner(self, i: int) -> Learner:
+        M = len(self.speeds)
+        lcfg = self.settings.learner.model_copy(update={"id": f"learner-{i}"})
+        dcfg = self.settings.data.model_copy(update={"shard": f"{i}/{M}"})
+        s_i = self.settings.model_copy(update={"learner": lcfg, "data": dcfg})
+        # each learner its own Store on the same bucket, so its bytes are counted on their own
+        learner = Learner.from_settings(s_i, open_store(s_i.storage), inline_io=True)
+        learner.join()
+        learner.start_clock()
+        return learner
+
+    def discarded_ratio(self) -> float:
+        """Share of trained fragment-steps thrown away by overwriting adoptions, over all learners."""
+        everyone = self.learners + self.retired
+        return sum(ln.frag_steps_discarded for ln in everyone) / max(1, sum(ln.frag_steps_trained for ln in everyone))
+
+    def tokens_total(self) -> int:
+        """Tokens trained by every incarnation of every learner."""
+        return sum(ln.tokens_total for ln in self.learners) + sum(ln.tokens_total for ln in self.retired)
 
     def _draw_step(self, i: int) -> float:
         sp = self.speeds[i]
@@ -75,6 +100,15 @@ class InProcessRun:
             i = min(active, key=lambda j: (upcoming[j], j))
             self.now = upcoming[i]
             learner = self.learners[i]
+            fault = next((f for f in self.faults if f.learner == i and learner.step >= f.at_step), None)
+            if fault is not None:  # SIGKILL: nothing flushed; a new incarnation joins later
+                self.faults.remove(fault)
+                self.retired.append(learner)
+                learner.poller.stop()
+                upcoming[i] = self.now + fault.down_steps * self.speeds[i].step_s
+                self.learners[i] = self._start_learner(i)
+                last_end[i] = upcoming[i] - self._draw_step(i)
+                continue
             learner.poller.poll_once()
             dt, last_end[i] = self.now - last_end[i], self.now
             if not learner.step_once(step_s=dt):
@@ -95,6 +129,6 @@ class InProcessRun:
 
     def close(self) -> None:
         self.loop.close()
-        for learner in self.learners:
+        for learner in self.learners + self.retired:
             learner.store.close()
         self.store.close()

@@ -12,6 +12,7 @@ import logging
 BENCHMARKS = {
     "codec": "encode/decode throughput and wire size of each codec vs a memory copy",
     "quality": "eval loss of Decoupled DiLoCo vs data-parallel on the same tokens",
+    "convergence": "the convergence study: data-parallel, lock-step and Decoupled DiLoCo up to a compute-optimal budget",
     "bandwidth": "bytes on the wire per token vs a ring all-reduce of fp32 gradients",
     "overhead": "learner tokens/s with syncing on vs off, on loopback and through the WAN emulator",
     "syncer": "syncer MB/s decoded, merged and published vs a plain fp32 add",

@@ -29,7 +29,7 @@ import torch
 from ddiloco_geo.core import config
 from ddiloco_geo.core import data as datamod
 from ddiloco_geo.core import model as modelmod
-from ddiloco_geo.learner import lr_schedule
+from ddiloco_geo.tools.bench.reference import train_dp
 from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
 
 log = logging.getLogger(__name__)
@@ -52,36 +52,6 @@ def bench_settings(args: argparse.Namespace, **extra: Any):
     tree = config.overrides_tree(args.overrides, flat)
     settings, _ = config.load(cli=tree)
     return settings
-
-
-def train_dp(settings, num_learners: int) -> float:
-    """Data-parallel baseline: one step per global batch of all learners' batches."""
-
-
-
-    cfg = settings.learner
-    model = modelmod.build_model(settings.model)
-    corpus = datamod.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
-    train, eval_data = datamod.split(corpus, settings.data.eval_ratio)
-    readers = [datamod.ShardReader(train, shard=i, num_shards=num_learners, block_size=settings.model.block_size,
-                                   batch_size=cfg.batch_size, seed=settings.model.seed + i)
-               for i in range(num_learners)]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    for step in range(cfg.max_steps):
-        batches = [r.next_batch() for r in readers]
-        x = torch.cat([b[0] for b in batches])
-        y = torch.cat([b[1] for b in batches])
-        for group in opt.param_groups:
-            group["lr"] = lr_schedule(step, cfg.lr, cfg.warmup_steps, cfg.max_steps)
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 50 == 0:
-            print(f"bench quality: dp step {step}/{cfg.max_steps} loss {loss.item():.3f}", file=sys.stderr)
-    batches = datamod.eval_batches(eval_data, settings.model.block_size, cfg.batch_size, settings.data.eval_batches)
-    return datamod.evaluate(model, batches)
 
 
 def train_ddiloco(settings, num_learners: int, seed: int) -> dict[str, Any]:
@@ -121,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     base = bench_settings(args)
     t0 = time.perf_counter()
     print(f"bench quality: data-parallel baseline, {args.steps} steps x {M} batches", file=sys.stderr)
-    dp_loss = train_dp(base, M)
+    dp_loss = train_dp(base, M).eval_loss
     dp_s = time.perf_counter() - t0
     results = []
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:

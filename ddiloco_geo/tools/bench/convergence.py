@@ -1,0 +1,256 @@
+"""``ddiloco-geo bench convergence``: where the loss goes, on the same tokens, up to a compute-optimal budget.
+
+For each number of learners M and each horizon h (a share of the budget B = tokens_per_param ×
+parameters, 20 by default: compute-optimal), every **arm** trains from the same initial weights on
+exactly the same tokens (M shards of the corpus, the learners' readers) with the same schedule
+length, and the final model is evaluated on the same held-out batches:
+
+- ``dp``: data-parallel (:func:`~ddiloco_geo.tools.bench.reference.train_dp`), its peak learning
+  rate the best of ``--dp-lr-scales`` at each horizon (the baseline is tuned, not handicapped);
+- the **ablation ladder**, each rung adding one design piece to the previous one:
+  ``lockstep`` synchronous DiLoCo, whole model, fp32 (reference trainer) →
+  ``streaming`` fragments P = H on the real learner and syncer (in-process harness), K = M, fp32 →
+  ``int4`` int4 deltas and updates → ``async`` K = 1 + grace, learners of different speeds
+  (half 18% slower, 10% jitter) → ``adopt`` the adoption policy (``learner.adopt``) →
+  ``faults`` a learner killed without flushing at 40% of its steps and restarted later.
+
+Reported per (M, arm, h): eval loss, the ratio to data-parallel at the same tokens, and at the
+largest horizon the **token efficiency**: data-parallel's tokens over the tokens the arm needs to
+reach data-parallel's final loss (interpolated on the arm's losses over the horizons in log
+tokens; extrapolated from the last two horizons, and flagged, when the arm never gets there).
+Settings common to every arm come from ``--set``; each arm's own settings are in ``ARMS``.
+Runs go to ``--jobs`` worker processes (one torch thread each); progress lines on stderr; a PNG
+of eval loss against tokens per M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddiloco_geo.core import config
+from ddiloco_geo.core import data as datamod
+from ddiloco_geo.core import model as modelmod
+from ddiloco_geo.tools.bench.reference import train_dp, train_lockstep
+from ddiloco_geo.tools.inprocess import Fault, InProcessRun, LearnerSpeed
+
+EQUAL = "equal"
+HETERO = "hetero"
+
+# name -> (kind, settings, speeds, faults); each rung adds one piece to the one before
+ARMS: dict[str, tuple[str, dict[str, Any], str, bool]] = {
+    "lockstep": ("lockstep", {"run.codec": "fp32"}, EQUAL, False),
+    "streaming": ("harness", {"run.codec": "fp32", "syncer.update_codec": "fp32", "syncer.quorum": "M",
+                              "syncer.grace_gamma": 0.0, "learner.adopt": "overwrite"}, EQUAL, False),
+    "int4": ("harness", {"syncer.quorum": "M", "syncer.grace_gamma": 0.0, "learner.adopt": "overwrite"}, EQUAL, False),
+    "async": ("harness", {"syncer.quorum": 1, "syncer.grace_gamma": 0.5, "learner.adopt": "overwrite"}, HETERO, False),
+    "adopt": ("harness", {"syncer.quorum": 1, "syncer.grace_gamma": 0.5, "learner.adopt": "keep_progress"}, HETERO, False),
+    "faults": ("harness", {"syncer.quorum": 1, "syncer.grace_gamma": 0.5, "learner.adopt": "keep_progress"}, HETERO, True),
+}
+DEFAULT_ARMS = "lockstep,streaming,int4,async,adopt,faults"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="nano", help="built-in model size (default nano, ~0.5M parameters)")
+    p.add_argument("--learners", default="2,4", help="comma list of M")
+    p.add_argument("--tokens-per-param", type=float, default=20.0, help="budget B = this x parameters (20: compute-optimal)")
+    p.add_argument("--horizons", default="0.25,0.5,1", help="shares of the budget, each a run with its own schedule")
+    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma list of {', '.join(ARMS)} (dp always runs)")
+    p.add_argument("--ladder-at", default="max", help="M at which the whole ladder runs ('max' or a number); "
+                   "other M run lockstep and the product default (adopt) only")
+    p.add_argument("--dp-lr-scales", default="1,1.5", help="data-parallel peak lr multipliers tried (best kept)")
+    p.add_argument("--corpus", help="data.corpus for every arm (default: the settings')")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument("--out", default="out/convergence", help="directory for convergence.json and convergence.png")
+    p.add_argument("--seed", type=int, default=0, help="harness seed (learner speeds and jitter)")
+    p.add_argument("--set", action="append", default=[], dest="overrides", help="settings KEY=VALUE for every arm")
+
+
+def _settings(args: argparse.Namespace, M: int, steps: int, arm_settings: dict[str, Any]):
+    """The user's ``--set`` for every arm, then the study's and the arm's own settings on top."""
+    flat = {"model.name": args.model, "learner.max_steps": steps, "data.eval_batches": 32,
+            "learner.log_every": 10**6, "local.learners": M,
+            **({"data.corpus": args.corpus} if args.corpus else {}),
+            **{k: (M if v == "M" else v) for k, v in arm_settings.items()}}
+    settings, _ = config.load(cli=config.overrides_tree(getattr(args, "overrides", None), flat))
+    return settings
+
+
+def _task(job: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    args = argparse.Namespace(**job["args"])
+    t0 = time.perf_counter()
+    M, steps, arm = job["M"], job["steps"], job["arm"]
+    if arm.startswith("dp"):
+        settings = _settings(args, M, steps, {})
+        res = train_dp(settings, M, lr_scale=job["lr_scale"], label=f"dp x{job['lr_scale']} M={M} h={job['h']}")
+        out = {"eval_loss": res.eval_loss, "tokens": res.tokens, "lr_scale": job["lr_scale"]}
+    else:
+        kind, arm_settings, speeds, faults = ARMS[arm]
+        settings = _settings(args, M, steps, arm_settings)
+        if kind == "lockstep":
+            res = train_lockstep(settings, M, label=f"lockstep M={M} h={job['h']}")
+            out = {"eval_loss": res.eval_loss, "tokens": res.tokens}
+        else:
+            out = _harness(settings, M, speeds, faults, args.seed, f"{arm} M={M} h={job['h']}")
+    out.update({"arm": arm, "M": M, "h": job["h"], "steps": steps, "wall_s": time.perf_counter() - t0})
+    return out
+
+
+def _harness(settings, M: int, speeds: str, faults: bool, seed: int, label: str) -> dict[str, Any]:
+    sp = [LearnerSpeed(1.0, 0.0)] * M if speeds == EQUAL else \
+        [LearnerSpeed(1.0 if i % 2 == 0 else 1.18, 0.10) for i in range(M)]
+    steps = settings.learner.max_steps
+    events = [Fault(learner=M - 1, at_step=int(0.4 * steps), down_steps=max(1, int(0.05 * steps)))] if faults else []
+    run = InProcessRun(settings, sp, seed=seed, faults=events)
+    try:
+        print(f"bench: {label} ({steps} steps x {M} learners)", file=sys.stderr, flush=True)
+        status = run.run()
+        model = modelmod.build_model(settings.model)
+        modelmod.set_tensors(model, run.global_params())
+        corpus = datamod.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
+        _, eval_data = datamod.split(corpus, settings.data.eval_ratio)
+        batches = datamod.eval_batches(eval_data, settings.model.block_size, settings.learner.batch_size,
+                                       settings.data.eval_batches)
+        c = status["counters"]
+        return {"eval_loss": datamod.evaluate(model, batches), "tokens": run.tokens_total(),
+                "merges": c["merges"], "mean_contributors": c["contributors_total"] / max(1, c["merges"]),
+                "discarded_ratio": run.discarded_ratio()}
+    finally:
+        run.close()
+
+
+def token_efficiency(dp: list[tuple[int, float]], arm: list[tuple[int, float]]) -> tuple[float | None, bool]:
+    """DP's tokens at its largest horizon over the tokens the arm needs for DP's final loss;
+    (value, extrapolated). Curves are (tokens, loss) sorted by tokens."""
+    if not dp or len(arm) < 2:
+        return None, False
+    t_dp, target = dp[-1]
+    pts = [(math.log(t), l) for t, l in arm]
+    for (x0, l0), (x1, l1) in zip(pts, pts[1:]):
+        if (l0 - target) * (l1 - target) <= 0 and l0 != l1:
+            x = x0 + (target - l0) * (x1 - x0) / (l1 - l0)
+            return t_dp / math.exp(x), False
+    if arm[0][1] <= target:  # better than data-parallel already at its smallest horizon
+        return t_dp / arm[0][0], True
+    (x0, l0), (x1, l1) = pts[-2], pts[-1]
+    if l1 >= l0:  # not improving: no estimate
+        return 0.0, True
+    x = x1 + (target - l1) * (x1 - x0) / (l1 - l0)
+    return t_dp / math.exp(x), True
+
+
+def run(args: argparse.Namespace) -> int:
+    Ms = [int(m) for m in args.learners.split(",")]
+    horizons = sorted(float(h) for h in args.horizons.split(","))
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    for a in arms:
+        if a not in ARMS:
+            raise SystemExit(f"unknown arm {a!r}: choose from {', '.join(ARMS)}")
+    ladder_M = max(Ms) if args.ladder_at == "max" else int(args.ladder_at)
+    base = _settings(args, Ms[0], 1, {})
+    params = sum(p.numel() for p in modelmod.build_model(base.model).parameters())
+    budget = args.tokens_per_param * params
+    tokens_per_step = base.learner.batch_size * base.model.block_size
+    jobs = []
+    for M in Ms:
+        for h in horizons:
+            steps = max(2 * base.fragments.sync_every, round(h * budget / (M * tokens_per_step)))
+            for scale in [float(s) for s in args.dp_lr_scales.split(",")]:
+                jobs.append({"arm": f"dp@{scale}", "lr_scale": scale, "M": M, "h": h, "steps": steps})
+            for a in arms if M == ladder_M else [a for a in arms if a in ("lockstep", "adopt")]:
+                jobs.append({"arm": a, "M": M, "h": h, "steps": steps})
+    plain = {k: v for k, v in vars(args).items() if not callable(v) and not k.startswith("_")}
+    for j in jobs:
+        j["args"] = plain
+    print(f"bench convergence: {params} parameters, budget {budget / 1e6:.1f}M tokens, {len(jobs)} runs on "
+          f"{args.jobs} workers", file=sys.stderr, flush=True)
+    results, t0 = [], time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(_task, j) for j in sorted(jobs, key=lambda j: -j["steps"])]
+        for i, fut in enumerate(concurrent.futures.as_completed(futures)):
+            r = fut.result()
+            results.append(r)
+            print(f"bench convergence: [{i + 1}/{len(jobs)}] {r['arm']} M={r['M']} h={r['h']} "
+                  f"eval_loss={r['eval_loss']:.4f} ({r['wall_s']:.0f} s, {time.perf_counter() - t0:.0f} s total)",
+                  file=sys.stderr, flush=True)
+    out = summarize(results, Ms, horizons, arms, params, budget)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "convergence.json").write_text(json.dumps(out, indent=1))
+    plot(out, out_dir / "convergence.png")
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for row in out["table"]:
+            print(f"M={row['M']} {row['arm']:>9}: loss {row['eval_loss']:.4f} ratio {row['loss_ratio']:.4f} "
+                  f"efficiency {row.get('token_efficiency')}")
+    return 0
+
+
+def summarize(results: list[dict[str, Any]], Ms: list[int], horizons: list[float], arms: list[str],
+              params: int, budget: float) -> dict[str, Any]:
+    table, curves = [], {}
+    for M in Ms:
+        dp_best: dict[float, dict[str, Any]] = {}
+        for r in results:
+            if r["M"] == M and r["arm"].startswith("dp@"):
+                if r["h"] not in dp_best or r["eval_loss"] < dp_best[r["h"]]["eval_loss"]:
+                    dp_best[r["h"]] = r
+        dp_curve = [(dp_best[h]["tokens"], dp_best[h]["eval_loss"]) for h in horizons if h in dp_best]
+        curves[f"M={M} dp"] = dp_curve
+        for a in arms:
+            rows = sorted((r for r in results if r["M"] == M and r["arm"] == a), key=lambda r: r["h"])
+            if not rows:
+                continue
+            curve = [(r["tokens"], r["eval_loss"]) for r in rows]
+            curves[f"M={M} {a}"] = curve
+            eff, extrapolated = token_efficiency(dp_curve, curve)
+            for r in rows:
+                dp_loss = dp_best[r["h"]]["eval_loss"]
+                row = {**{k: v for k, v in r.items() if k != "wall_s"}, "dp_eval_loss": dp_loss,
+                       "dp_lr_scale": dp_best[r["h"]]["lr_scale"], "loss_ratio": r["eval_loss"] / dp_loss,
+                       "wall_s": r["wall_s"]}
+                if r["h"] == max(horizons):
+                    row.update({"token_efficiency": eff, "efficiency_extrapolated": extrapolated})
+                table.append(row)
+    return {"parameters": params, "budget_tokens": budget, "horizons": horizons, "learners": Ms,
+            "how": "each (M, arm, horizon) a separate run with its own schedule; ratio = arm / best data-parallel "
+                   "at the same tokens; token_efficiency = dp tokens / tokens the arm needs for dp's final loss",
+            "table": table, "curves": curves, "dp_runs": [r for r in results if r["arm"].startswith("dp@")]}
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ms = out["learners"]
+    fig, axes = plt.subplots(1, len(Ms), figsize=(6 * len(Ms), 4.5), squeeze=False)
+    for ax, M in zip(axes[0], Ms):
+        for name, curve in out["curves"].items():
+            if not name.startswith(f"M={M} ") or not curve:
+                continue
+            t, loss = zip(*curve)
+            ax.plot([x / 1e6 for x in t], loss, marker="o", label=name.split(" ", 1)[1],
+                    linewidth=2.5 if name.endswith(" dp") else 1.2, color="black" if name.endswith(" dp") else None)
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens (millions, all learners together)")
+        ax.set_ylabel("eval loss (global model)")
+        ax.set_title(f"M = {M}, {out['parameters'] / 1e6:.2f}M parameters")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,127 @@
+"""Reference trainers the quality benchmarks compare against, on exactly the learners' tokens.
+
+- :func:`train_dp`: plain data-parallel: one AdamW step per global batch (the concatenation of the
+  M learners' batches, read by the same shard readers the learners use), the learners' schedule;
+- :func:`train_lockstep`: synchronous DiLoCo as the papers define it: M replicas, each H AdamW
+  steps on its own shard from the same global model, then the pseudo-gradients (global − local)
+  are merged with the product's merge (token-weighted RDA, weighted mean for embeddings), one
+  outer step (the syncer's outer optimizer settings), every replica restarts from the new global
+  and keeps its AdamW state. Whole model, fp32, no bucket: the upper bound of what fragments,
+  quantization and asynchrony can keep.
+
+Both evaluate the final model on the held-out slice every learner and the global model use, and
+can record the eval loss at intermediate token counts (``eval_every_tokens``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddiloco_geo.core import data as datamod
+from ddiloco_geo.core import model as modelmod
+from ddiloco_geo.core.merge import merge_fragment
+from ddiloco_geo.core.outer import OuterOptimizer
+from ddiloco_geo.learner.schedule import lr_schedule
+
+
+@dataclass
+class Result:
+    eval_loss: float
+    tokens: int
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens, eval loss)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Data:
+    """The corpus split, per-learner shard readers and the eval batches, from settings."""
+
+    def __init__(self, settings, num_learners: int) -> None:
+        corpus = datamod.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
+        self.train, eval_data = datamod.split(corpus, settings.data.eval_ratio)
+        self.readers = [datamod.ShardReader(self.train, shard=i, num_shards=num_learners,
+                                            block_size=settings.model.block_size,
+                                            batch_size=settings.learner.batch_size, seed=settings.model.seed + i)
+                        for i in range(num_learners)]
+        self.eval = datamod.eval_batches(eval_data, settings.model.block_size, settings.learner.batch_size,
+                                         settings.data.eval_batches)
+
+
+def _optimizer(model: torch.nn.Module, cfg, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+
+def _inner_step(model, opt, x, y, lr: float) -> float:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    _, loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return float(loss.detach())
+
+
+def train_dp(settings, num_learners: int, *, lr_scale: float = 1.0, eval_every_tokens: int = 0,
+             label: str = "dp") -> Result:
+    """Data-parallel baseline; ``lr_scale`` multiplies the learners' peak learning rate."""
+    cfg = settings.learner
+    model = modelmod.build_model(settings.model)
+    data = Data(settings, num_learners)
+    opt = _optimizer(model, cfg, cfg.lr * lr_scale)
+    tokens, curve, next_eval = 0, [], eval_every_tokens
+    for step in range(cfg.max_steps):
+        batches = [r.next_batch() for r in data.readers]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        loss = _inner_step(model, opt, x, y, lr_schedule(step, cfg.lr * lr_scale, cfg.warmup_steps, cfg.max_steps))
+        tokens += sum(b[2] for b in batches)
+        if eval_every_tokens and tokens >= next_eval:
+            curve.append((tokens, datamod.evaluate(model, data.eval)))
+            next_eval += eval_every_tokens
+        if step % 200 == 0:
+            print(f"bench: {label} step {step}/{cfg.max_steps} loss {loss:.3f}", file=sys.stderr, flush=True)
+    final = datamod.evaluate(model, data.eval)
+    return Result(final, tokens, curve + [(tokens, final)])
+
+
+def train_lockstep(settings, num_learners: int, *, eval_every_tokens: int = 0, label: str = "lockstep") -> Result:
+    """Synchronous DiLoCo over the whole model (see the module docstring)."""
+    cfg, scfg = settings.learner, settings.syncer
+    H = settings.fragments.sync_every
+    global_model = modelmod.build_model(settings.model)
+    names = [n for n, _ in global_model.named_parameters()]
+    global_params = modelmod.get_tensors(global_model, names)
+    replicas = [modelmod.build_model(settings.model) for _ in range(num_learners)]
+    for r in replicas:
+        modelmod.set_tensors(r, global_params)
+    opts = [_optimizer(r, cfg, cfg.lr) for r in replicas]
+    outer = OuterOptimizer(lr=scfg.outer_lr, momentum=scfg.outer_momentum, nesterov=scfg.nesterov)
+    is_emb = modelmod.embedding_rule(settings.model)
+    data = Data(settings, num_learners)
+    tokens, curve, next_eval, counts = 0, [], eval_every_tokens, [0] * num_learners
+    for step in range(cfg.max_steps):
+        lr = lr_schedule(step, cfg.lr, cfg.warmup_steps, cfg.max_steps)
+        for m, (r, o, reader) in enumerate(zip(replicas, opts, data.readers)):
+            x, y, n = reader.next_batch()
+            loss = _inner_step(r, o, x, y, lr)
+            tokens += n
+            counts[m] += n
+        if (step + 1) % H == 0 or step + 1 == cfg.max_steps:
+            pgs = [{n: global_params[n] - t for n, t in modelmod.get_tensors(r, names).items()} for r in replicas]
+            weights = [c * c / (H if (step + 1) % H == 0 else (step + 1) % H) for c in counts]
+            global_params = outer.step(global_params, merge_fragment(pgs, weights, is_emb))
+            for r in replicas:
+                modelmod.set_tensors(r, global_params)
+            counts = [0] * num_learners
+        if eval_every_tokens and tokens >= next_eval:
+            modelmod.set_tensors(global_model, global_params)
+            curve.append((tokens, datamod.evaluate(global_model, data.eval)))
+            next_eval += eval_every_tokens
+        if step % 200 == 0:
+            print(f"bench: {label} step {step}/{cfg.max_steps} loss {loss:.3f}", file=sys.stderr, flush=True)
+    modelmod.set_tensors(global_model, global_params)
+    final = datamod.evaluate(global_model, data.eval)
+    return Result(final, tokens, curve + [(tokens, final)])
