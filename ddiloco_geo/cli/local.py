@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco_geo.cli.settings import settings_from
+from ddiloco_geo.core.errors import ConfigError
 from ddiloco_geo.tools.local import LocalRun
 
 
@@ -27,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
         "local.learners": args.learners, "local.out": args.out, "learner.max_steps": args.steps,
         "model.name": args.model, "syncer.quorum": args.quorum, "local.fresh": False if args.join else None,
     })
+    if settings.syncer.quorum > settings.local.learners:  # a check for this command only: it knows M
+        raise ConfigError(f"syncer.quorum={settings.syncer.quorum} exceeds local.learners={settings.local.learners}: "
+                          "no merge could ever happen; lower the quorum or add learners")
     summary = LocalRun(settings, eval_every_s=args.eval_every, live=not args.no_live and not args.json).run()
     if args.json:
         print(json.dumps(summary, indent=1, default=str))

@@ -131,3 +131,11 @@ def test_the_settings_codec_names_are_the_codecs_names():
 
     assert typing.get_args(config.Codec) == codec.CODECS
     assert set(typing.get_args(config.SyncerConfig.model_fields["update_codec"].annotation)) == {"none", *codec.CODECS}
+
+
+def test_local_refuses_a_quorum_above_its_learners(capsys, tmp_path):
+    from ddiloco_geo.cli.main import main
+
+    assert main(["local", "--quorum", "5", "--learners", "2", "--store", f"file://{tmp_path}/run", "--no-live"]) == 2
+    err = capsys.readouterr().err
+    assert "syncer.quorum=5 exceeds local.learners=2" in err and "env DDILOCO_)" not in err
