@@ -99,6 +99,9 @@ class LearnerConfig(Section):
     max_steps: int = Field(300, ge=1, description="inner steps this learner takes before exiting")
     max_time_s: float | None = Field(None, gt=0)
     alpha: float = Field(0.0, ge=0, lt=1, description="mixing factor on adoption: local = alpha*local + (1-alpha)*global; 0 overwrites")
+    follow_run: bool = Field(False, description="a joining or restarted learner starts its learning-rate schedule (and "
+                             "its count toward max_steps) at the run's progress, the largest learner step in the newest "
+                             "merge records, instead of at 0 (or its checkpoint's step)")
     adopt: Literal["overwrite", "keep_progress"] = Field(
         "overwrite", description="on a new global G of fragment p: 'overwrite' sets local_p = G (work since the last "
         "delta was sent is lost); 'keep_progress' sets local_p = G + (local_p - ref_p), ref_p = local_p at the last "

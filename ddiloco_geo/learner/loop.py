@@ -118,9 +118,11 @@ class Learner:
         self.base: dict[int, dict[str, torch.Tensor]] = {}
         self.base_version = [0] * P
         self.clock = VectorClock()
+        run_step = 0
         if self.rank == 0:
             for p in range(P):
                 header, tensors = self._read_global(p, index[p])
+                run_step = max(run_step, run_progress(header))
                 modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()})
                 self.base[p] = tensors
                 self.base_version[p] = index[p]
@@ -133,6 +135,11 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         self.resumed_from = self._resume(index)
+        if self.cfg.follow_run:
+            run_step = min(ranks.broadcast_object(run_step, self.world), self.cfg.max_steps)
+            if run_step > self.step:
+                log.info("learner_follows_run learner=%s step=%d run_step=%d", self.learner_id, self.step, run_step)
+                self.step = run_step
         # per fragment: the local tensors at the last send (or the base at the last adoption) and the
         # counters at that point; at join (fresh, or resumed from a checkpoint written after every
         # fragment was flushed) everything local is accounted for
@@ -482,6 +489,13 @@ class Learner:
                 _, self._hb_token = self.store.read_token(key)
             except StorageError:
                 self._hb_token = None
+
+
+def run_progress(header: codec.Header) -> int:
+    """The largest learner step in a global's merge record (0 if none is readable)."""
+    steps = [e.get("step") for e in header.extra.get("merged", []) if isinstance(e, dict)] \
+        if isinstance(header.extra.get("merged"), list) else []
+    return max((s for s in steps if isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**40), default=0)
 
 
 def default_learner_id() -> str:

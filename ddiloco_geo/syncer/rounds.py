@@ -15,7 +15,8 @@ Decoupled DiLoCo (arXiv 2604.21428), per fragment p:
 A merge (:func:`build_merge`): of several deltas of one learner on the same base the newest
 supersedes the older (deltas are cumulative since the learner adopted that base); each delta is
 **anchored** at the current global, Δ_m = (Θ_current − Θ_base) + pseudo_grad_m; weights are
-w = tokens · (tokens / steps); token-weighted RDA (weighted mean for embeddings) or a robust
+w = tokens · (tokens / steps); each entry of the merge record also carries the learner's step (its
+schedule position: a joining learner reads the run's progress from it); token-weighted RDA (weighted mean for embeddings) or a robust
 average; then one outer step (:func:`ddiloco_geo.core.outer.merge_and_step`). Pure: no I/O.
 """
 
@@ -71,6 +72,12 @@ class RoundPolicy:
         return state.last_merge_s is None or now >= state.last_merge_s + spacing
 
 
+def learner_step(header) -> int | None:
+    """The learner's inner step count when it sent the delta (its schedule position), if sane."""
+    step = header.extra.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**40 else None
+
+
 def select_contributors(pending: list[PendingDelta]) -> tuple[list[PendingDelta], list[PendingDelta]]:
     """(contributors, superseded): the newest delta per (learner, base version)."""
     newest: dict[tuple[str, int], PendingDelta] = {}
@@ -104,7 +111,8 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
         w = merge.token_weight(d.header.num_tokens, d.header.num_steps)
         weights.append(w)
         entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
-                        "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w})
+                        "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w,
+                        "step": learner_step(d.header)})
     if not anchored or sum(weights) <= 0:
         return None
     params, outer = merge_and_step(state.params, state.outer, anchored, weights, is_embedding,

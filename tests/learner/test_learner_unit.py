@@ -145,3 +145,22 @@ def test_only_unusable_checkpoints_mean_a_fresh_start(tiny_run, caplog):
     assert learner.resumed_from is None and learner.step == 0
     assert "checkpoint_unusable" in caplog.text
     assert learner.step_once() is True
+
+
+def test_a_learner_joining_late_follows_the_runs_progress(tiny_run):
+    """learner.follow_run: a learner that joins (or restarts without a checkpoint) mid-run starts
+    its schedule where the run is, not at step 0 with a fresh warm-up at full rate."""
+    run = tiny_run()
+    syncer = run.syncer()
+    first = _learner(run, max_steps=200)
+    for _ in range(20):
+        first.step_once()
+    import asyncio
+
+    asyncio.run(syncer.poll_once())
+    syncer.draining = True
+    assert syncer.merge_ready() > 0
+    late = _learner(run, id="l1", max_steps=200, follow_run=True)
+    assert 16 <= late.step <= 20  # the largest step in the newest merge records
+    fresh = _learner(run, id="l2", max_steps=200)
+    assert fresh.step == 0
