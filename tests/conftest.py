@@ -7,6 +7,18 @@ Real servers on 127.0.0.1, started once per session and stopped by handle or PID
 * ``localstack_endpoint``: ``$DDILOCO_TEST_LOCALSTACK_URL`` if set (CI starts it), else
   ``localstack/host.sh start`` on a free port. A tier that cannot start FAILS, never skips.
 
+Servers start only when a test asks for them (directly, or through ``make_store``), so the
+``unit`` tier (``pytest -m unit``: no servers, no subprocesses) starts none; a unit-marked test
+that asks for one, or starts a subprocess, fails (``_unit_tier_guard``).
+
+Time: every wait in a test is a deadline scaled by one factor, ``$DDILOCO_TEST_TIME_SCALE``
+(default 1; e.g. 3 on a loaded machine): :func:`deadline` and :func:`wait_until` (poll, never
+sleep-then-assert-once), and pytest-timeout's per-test limits. Tests check correctness; speed
+belongs in benchmarks.
+
+Skips: only ``gpu``-marked tests may skip (automatically, without a CUDA device). ``--skip-report
+PATH`` writes every skipped test as JSON, which ``.ci/run`` checks.
+
 ``make_store(backend)`` opens a :class:`~ddiloco_geo.storage.Store` on a fresh bucket (or
 directory, or memory root) for one of :data:`BACKENDS`; ``make_storage_config(backend)`` gives the
 matching :class:`~ddiloco_geo.core.config.StorageConfig`, and :func:`cli_args_for` turns one into
@@ -16,10 +28,13 @@ matching :class:`~ddiloco_geo.core.config.StorageConfig`, and :func:`cli_args_fo
 from __future__ import annotations
 
 import json
+import math
+import multiprocessing.process
 import os
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 import urllib.error
 import urllib.request
 import uuid
@@ -50,6 +65,10 @@ DUMMY_AWS_ENV = {
 # reject this one ("unknown key") in every in-process or subprocess ``ddiloco-geo`` call.
 LOCALSTACK_URL_ENV = "DDILOCO_TEST_LOCALSTACK_URL"
 _given_localstack_url: str | None = None
+
+# The harness's own variables use the DDILOCO_TEST_ prefix, which config.load() ignores.
+TIME_SCALE_ENV = "DDILOCO_TEST_TIME_SCALE"
+SERVER_FIXTURES = ("moto_endpoint", "gcs_endpoint", "localstack_endpoint")
 
 UNSET_AWS_ENV = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE")
 
@@ -118,9 +137,43 @@ def create_gcs_bucket(endpoint: str, bucket: str) -> None:
         assert resp.status == 200, resp.status
 
 
+def time_scale() -> float:
+    """``$DDILOCO_TEST_TIME_SCALE`` (default 1): the factor every test deadline is multiplied by."""
+    raw = os.environ.get(TIME_SCALE_ENV, "1")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise pytest.UsageError(f"{TIME_SCALE_ENV}={raw!r}: expected a positive number (e.g. 3 on a loaded machine)")
+    return value
+
+
+def deadline(seconds: float) -> float:
+    """``seconds`` scaled by :func:`time_scale`: a budget for a wait, never a claim about speed."""
+    return seconds * time_scale()
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float, *, interval_s: float = 0.05,
+               what: str | Callable[[], str] = "condition"):
+    """Poll ``predicate`` until it returns something truthy (returned) or ``deadline(timeout_s)``
+    passes (AssertionError naming ``what``; a callable ``what`` is called then, e.g. for logs)."""
+    limit_s = deadline(timeout_s)
+    end = time.monotonic() + limit_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= end:
+            detail = what() if callable(what) else what
+            raise AssertionError(f"{detail} not reached within {limit_s:.1f} s ({TIME_SCALE_ENV}={time_scale():g})")
+        time.sleep(interval_s)
+
+
 def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    limit_s = deadline(timeout_s)
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with code {proc.returncode} before {url} answered")
         try:
@@ -130,7 +183,107 @@ def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None)
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+    raise RuntimeError(f"{url} did not answer within {limit_s:.1f} s")
+
+
+# --- hooks: GPU-only skips, scaled timeouts, the skip report, the unit tier ----------------------
+
+
+def pytest_addoption(parser):
+    parser.addoption("--skip-report", metavar="PATH", default=None,
+                     help="write every skipped test (node id, reason, gpu-marked or not) to PATH as JSON")
+
+
+def pytest_configure(config):
+    time_scale()  # a bad DDILOCO_TEST_TIME_SCALE is a usage error before anything runs
+    config.stash[_SKIPPED] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    scale = time_scale()
+    base_timeout_s = float(config.getini("timeout") or 0)
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items:
+        import torch  # heavy: only when a GPU-only test was collected
+
+        if not torch.cuda.is_available():
+            for item in gpu_items:
+                item.add_marker(pytest.mark.skip(reason="GPU-only: no CUDA device on this machine"))
+    if scale != 1:
+        for item in items:
+            marker = item.get_closest_marker("timeout")
+            limit_s = marker.args[0] if marker and marker.args else (marker.kwargs.get("timeout") if marker else None)
+            limit_s = base_timeout_s if limit_s is None else float(limit_s)
+            if limit_s > 0:
+                item.add_marker(pytest.mark.timeout(limit_s * scale), append=False)
+
+
+_SKIPPED = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        item.config.stash[_SKIPPED].append(
+            {"nodeid": item.nodeid, "when": report.when, "reason": reason,
+             "gpu": item.get_closest_marker("gpu") is not None}
+        )
+    return report
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a whole module skipped at collection (pytest.skip(allow_module_level=True))
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _collect_skips.append({"nodeid": report.nodeid, "when": "collect", "reason": reason, "gpu": False})
+
+
+_collect_skips: list[dict] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("skip_report")
+    if path:
+        Path(path).write_text(json.dumps(
+            {"exitstatus": int(exitstatus), "skipped": _collect_skips + session.config.stash[_SKIPPED]}, indent=1) + "\n")
+
+
+_unit_test_running: str | None = None  # node id of the unit-marked test in progress
+
+
+def _refuse_in_unit_tier(what: str) -> None:
+    if _unit_test_running is not None:
+        pytest.fail(f"{_unit_test_running} is marked unit (no servers, no subprocesses) but started {what}; "
+                    "drop the mark or the server", pytrace=False)
+
+
+class _RefusedPopen:
+    def __init__(self, args, *_, **__):
+        _refuse_in_unit_tier(f"a subprocess: {args!r}")
+
+
+def _refused_process_start(self):
+    _refuse_in_unit_tier(f"a process: {self!r}")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_guard(request, monkeypatch):
+    """Hold a ``unit``-marked test to its promise: asking for a server or starting a process fails."""
+    global _unit_test_running
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    servers = [name for name in SERVER_FIXTURES if name in request.fixturenames]
+    _unit_test_running = request.node.nodeid
+    try:
+        if servers:
+            _refuse_in_unit_tier(f"the server fixture(s) {servers}")
+        monkeypatch.setattr(subprocess, "Popen", _RefusedPopen)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refused_process_start)
+        yield
+    finally:
+        _unit_test_running = None
 
 
 # --- session setup -------------------------------------------------------------------------------
@@ -154,6 +307,7 @@ def _dummy_aws_credentials():
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> str:
+    _refuse_in_unit_tier("the moto server")
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -171,6 +325,7 @@ def _fake_gcs_binary() -> Path:
 
 @pytest.fixture(scope="session")
 def gcs_endpoint(tmp_path_factory) -> str:
+    _refuse_in_unit_tier("the fake GCS server")
     binary = _fake_gcs_binary()
     log_path = tmp_path_factory.mktemp("fake-gcs") / "fake-gcs.log"
     last_error = None
@@ -201,7 +356,7 @@ def _stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=deadline(10))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -209,6 +364,7 @@ def _stop_process(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="session")
 def localstack_endpoint(_dummy_aws_credentials, tmp_path_factory) -> str:
+    _refuse_in_unit_tier("LocalStack")
     given = _given_localstack_url
     if given:
         try:
@@ -224,7 +380,7 @@ def localstack_endpoint(_dummy_aws_credentials, tmp_path_factory) -> str:
     for _ in range(2):
         proc = subprocess.run(
             [str(host_sh), "start", str(free_port())], env=env, cwd=REPO,
-            capture_output=True, text=True, timeout=120,
+            capture_output=True, text=True, timeout=deadline(120),
         )
         if proc.returncode == 0:
             break
@@ -237,7 +393,7 @@ def localstack_endpoint(_dummy_aws_credentials, tmp_path_factory) -> str:
     try:
         yield proc.stdout.strip().splitlines()[-1]
     finally:
-        subprocess.run([str(host_sh), "stop"], env=env, cwd=REPO, capture_output=True, timeout=60)
+        subprocess.run([str(host_sh), "stop"], env=env, cwd=REPO, capture_output=True, timeout=deadline(60))
 
 
 # --- store factories -----------------------------------------------------------------------------
@@ -297,5 +453,5 @@ def store(make_store, backend):
 
 __all__ = [
     "BACKENDS", "S3_BACKENDS", "TEST_RETRY", "cli_args_for", "create_gcs_bucket", "create_s3_bucket",
-    "free_port", "storage_config_for", "unique_name",
+    "deadline", "free_port", "storage_config_for", "time_scale", "unique_name", "wait_until",
 ]

@@ -396,7 +396,7 @@ def test_negative_scale_is_rejected():
     assert reason_of(forge({"w:q": q, "w:scale": torch.tensor([-1.0])}, "w", (16,), "int8", 16)) == "codec"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu  # skipped without a CUDA device (tests/conftest.py)
 def test_encoding_on_the_device_matches_the_cpu():
     tensors = fragment(2.0)
     for name in codec.CODECS:

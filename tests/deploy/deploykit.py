@@ -2,8 +2,9 @@
 a conftest.py, so `from conftest import ...` elsewhere keeps meaning tests/conftest.py): the terraform and checkov binaries, an offline CLI config,
 and a scratch copy of terraform/ and deploy/ (so `terraform init` never writes into the checkout).
 
-Tools are guarded: without terraform (or checkov) a test fails under CI (``$CI`` set) and is
-skipped with a message elsewhere.
+Tools are guarded: without terraform, checkov or systemd-analyze a test fails under CI (``$CI`` set;
+``.ci/run`` sets it itself) and is skipped with a message elsewhere, and ``.ci/run`` also fails on
+any skip that is not GPU-only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 REPO = Path(__file__).resolve().parents[2]
 TERRAFORM_DIR = REPO / "terraform"
@@ -94,7 +96,7 @@ def tf_tree(tmp_path_factory) -> Path:
 
 def tf(terraform_bin: str, env: dict[str, str], cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [terraform_bin, *args, "-no-color"], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [terraform_bin, *args, "-no-color"], cwd=cwd, env=env, capture_output=True, text=True, timeout=deadline(timeout)
     )
     assert proc.returncode == 0, f"terraform {' '.join(args)} in {cwd} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
@@ -119,7 +121,7 @@ def parse_hcl(paths: list[Path]) -> dict[str, dict]:
         "print(json.dumps({p: unwrap(d) for p, d in out.items()}, default=str))\n"
     )
     proc = subprocess.run(
-        [str(CHECKOV_PYTHON), "-c", code, *map(str, paths)], capture_output=True, text=True, timeout=120
+        [str(CHECKOV_PYTHON), "-c", code, *map(str, paths)], capture_output=True, text=True, timeout=deadline(120)
     )
     assert proc.returncode == 0, f"HCL parse failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout)

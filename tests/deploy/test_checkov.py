@@ -9,6 +9,7 @@ import subprocess
 
 import yaml
 
+from conftest import deadline
 from deploykit import TERRAFORM_DIR, checkov_bin  # noqa: F401 (fixture)
 
 SKIPS_FILE = TERRAFORM_DIR / "checkov-skips.yaml"
@@ -32,7 +33,7 @@ def test_checkov_passes_offline_with_only_the_listed_skips(checkov_bin, tmp_path
             str(checkov_bin), "-d", str(TERRAFORM_DIR), "--framework", "terraform",
             "--skip-download", "--compact", "--quiet", "-o", "json",
         ],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True, text=True, timeout=deadline(300), cwd=tmp_path,
     )
     assert proc.stdout.strip(), f"checkov printed nothing:\n{proc.stderr[-3000:]}"
     reports = json.loads(proc.stdout)

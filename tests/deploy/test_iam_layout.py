@@ -18,6 +18,7 @@ import pytest
 from ddiloco_geo.core import layout
 
 import layout_json
+from conftest import deadline
 from deploykit import REPO, TERRAFORM_DIR, expected_grants, granted_prefixes, terraform_bin, tf, tf_env, tf_tree  # noqa: F401 (fixtures)
 
 FLEETS = ["fleet-a", "fleet-b"]
@@ -86,7 +87,7 @@ def test_fleet_ids_that_would_overlap_are_rejected(terraform_bin, tf_env, tf_tre
     proc = subprocess.run(
         [terraform_bin, "plan", "-no-color", "-input=false", f"-var=endpoint_url={moto_endpoint}",
          '-var=learner_fleets=["us","us-east"]'],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+        cwd=root, env=env, capture_output=True, text=True, timeout=deadline(300),
     )
     assert proc.returncode != 0
     assert "wildcard would cover the other fleet" in proc.stderr.replace("\n", " ")

@@ -16,6 +16,7 @@ import uuid
 import boto3
 import pytest
 
+from conftest import deadline
 from deploykit import REPO, expected_grants, granted_prefixes, terraform_bin, tf, tf_env, tf_tree  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,7 @@ def _client(service: str, endpoint: str):
 
 
 def _ddiloco(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=deadline(timeout), cwd=REPO)
 
 
 def test_apply_then_short_job_then_destroy(terraform_bin, tf_env, tf_tree, localstack_endpoint, tmp_path):
