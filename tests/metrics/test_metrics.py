@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
+from conftest import deadline
 
 from ddiloco_geo.core.config import MetricsConfig
 from ddiloco_geo.core.errors import ConfigError
@@ -54,6 +55,7 @@ def samples(text: str) -> dict[str, str]:
 # --- format --------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_render_has_help_and_type_per_family_in_name_order():
     reg = Registry()
     reg.gauge("b_gauge", "A gauge.").set(2.5)
@@ -70,6 +72,7 @@ def test_render_has_help_and_type_per_family_in_name_order():
     assert_valid_exposition(text)
 
 
+@pytest.mark.unit
 def test_label_values_are_escaped():
     reg = Registry()
     c = reg.counter("escaped_total", "Escapes.", labels=("reason",))
@@ -79,6 +82,7 @@ def test_label_values_are_escaped():
     assert_valid_exposition(text)
 
 
+@pytest.mark.unit
 def test_series_are_sorted_by_label_values():
     reg = Registry()
     g = reg.gauge("lag", "Lag.", labels=("fragment",))
@@ -88,6 +92,7 @@ def test_series_are_sorted_by_label_values():
     assert lines == ['lag{fragment="0"} 0.0', 'lag{fragment="1"} 10.0', 'lag{fragment="2"} 20.0']
 
 
+@pytest.mark.unit
 def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
     reg = Registry()
     h = reg.histogram("wait_seconds", "Wait.", buckets=(0.1, 1, 10), labels=("kind",))
@@ -108,6 +113,7 @@ def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
     assert h.get(kind="a")["count"] == 5
 
 
+@pytest.mark.unit
 def test_unlabelled_metrics_export_zero_before_first_update():
     reg = Registry()
     reg.counter("idle_total", "Idle.")
@@ -118,6 +124,7 @@ def test_unlabelled_metrics_export_zero_before_first_update():
     assert s["idle_seconds_count"] == "0.0"
 
 
+@pytest.mark.unit
 def test_gauge_set_inc_dec():
     reg = Registry()
     g = reg.gauge("depth", "Depth.")
@@ -135,18 +142,21 @@ def test_gauge_set_inc_dec():
 # --- validation ----------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["", "1abc", "has-dash", "has space", "ünicode", "a.b"])
 def test_invalid_metric_names_are_rejected(name):
     with pytest.raises(ValueError, match="invalid metric name"):
         Registry().counter(name, "x")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("label", ["1x", "a-b", "__reserved", ""])
 def test_invalid_label_names_are_rejected(label):
     with pytest.raises(ValueError, match="invalid label name"):
         Registry().counter("ok_total", "x", labels=(label,))
 
 
+@pytest.mark.unit
 def test_histogram_le_label_is_reserved_and_buckets_must_increase():
     reg = Registry()
     with pytest.raises(ValueError, match="reserved"):
@@ -155,6 +165,7 @@ def test_histogram_le_label_is_reserved_and_buckets_must_increase():
         reg.histogram("h2", "x", buckets=(1, 1, 2))
 
 
+@pytest.mark.unit
 def test_wrong_labels_on_update_are_rejected():
     c = Registry().counter("by_reason_total", "x", labels=("reason",))
     with pytest.raises(ValueError, match="expected labels"):
@@ -163,6 +174,7 @@ def test_wrong_labels_on_update_are_rejected():
         c.inc(reason="a", extra="b")
 
 
+@pytest.mark.unit
 def test_counter_never_goes_down():
     c = Registry().counter("up_total", "x")
     with pytest.raises(ValueError):
@@ -174,6 +186,7 @@ def test_counter_never_goes_down():
     assert c.get() == 10
 
 
+@pytest.mark.unit
 def test_reregistering_same_definition_returns_it_and_conflicts_raise():
     reg = Registry()
     c = reg.counter("x_total", "X.", labels=("a",))
@@ -190,6 +203,7 @@ def test_reregistering_same_definition_returns_it_and_conflicts_raise():
 # --- thread safety -------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_concurrent_updates_give_exact_totals():
     reg = Registry()
     c = reg.counter("hits_total", "x", labels=("t",))
@@ -224,6 +238,7 @@ def test_concurrent_updates_give_exact_totals():
 # --- service families and storage ----------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_learner_and_syncer_families_share_one_registry():
     reg = Registry()
     lm = learner_metrics(reg)
@@ -258,6 +273,7 @@ def test_learner_and_syncer_families_share_one_registry():
     assert sm.storage_retries_total.get(reason="SlowDown") == 2  # one family, fed by export_store_stats
 
 
+@pytest.mark.unit
 def test_component_metric_sets_add_the_process_families_once():
     reg = Registry()
     learner_metrics(reg)
@@ -272,6 +288,7 @@ def test_component_metric_sets_add_the_process_families_once():
     assert "python_info" not in Registry().render()  # a bare registry has only what is registered
 
 
+@pytest.mark.unit
 def test_export_store_stats_sets_absolute_totals():
     reg = Registry()
     snap = {"bytes_up": 100, "bytes_down": 2000, "requests": {"get": 3, "put_if_absent": 1},
@@ -291,6 +308,7 @@ def test_export_store_stats_sets_absolute_totals():
         export_store_stats(reg, "learner", {**snap, "bytes_up": 10})
 
 
+@pytest.mark.unit
 def test_export_store_stats_from_a_real_store():
     stats = StoreStats()
     stats.count_request("get")
@@ -307,7 +325,7 @@ def test_export_store_stats_from_a_real_store():
 
 def _get(url: str) -> tuple[int, str, str]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=deadline(5)) as resp:
             return resp.status, resp.headers["Content-Type"], resp.read().decode()
     except urllib.error.HTTPError as exc:
         with exc:  # a 503 still carries the JSON body; close its socket
@@ -338,7 +356,7 @@ def test_scrape_negotiates_openmetrics_and_filters_by_name():
         host, port = server.address
         accept = {"Accept": "application/openmetrics-text;version=1.0.0"}
         req = urllib.request.Request(f"http://{host}:{port}/metrics", headers=accept)
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        with urllib.request.urlopen(req, timeout=deadline(5)) as resp:
             assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
             body = resp.read().decode()
         assert "ddiloco_test_hits_total 1.0\n" in body and body.endswith("# EOF\n")
@@ -371,24 +389,26 @@ def test_healthz_returns_503_when_unhealthy_or_the_check_raises():
         server.stop()
 
 
-def test_stop_is_idempotent_prompt_and_releases_the_port():
+def test_stop_is_idempotent_prompt_and_releases_the_port(caplog):
     server = MetricsServer(Registry(), "127.0.0.1:0")
     server.stop()  # before start: no-op
     server = MetricsServer(Registry(), "127.0.0.1:0")
     host, port = server.start()
-    # an idle keep-alive connection must not hold up the shutdown
+    # an idle keep-alive connection must not hold up the shutdown: stop() gives the serving thread
+    # shutdown_timeout_s + 5 s and warns if it is still alive (aiohttp's own default would be 60 s)
     idle = socket.create_connection((host, port))
-    t0 = time.monotonic()
-    server.stop()
-    server.stop()
-    assert time.monotonic() - t0 < 3.0
+    with caplog.at_level(logging.WARNING, logger="ddiloco_geo.metrics.server"):
+        server.stop()
+        server.stop()
+    assert "metrics_server_stop_timeout" not in caplog.text
     idle.close()
     with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=2)
+        urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=deadline(5))
     with pytest.raises(RuntimeError, match="restarted"):
         server.start()
 
 
+@pytest.mark.unit
 def test_non_loopback_host_is_refused_unless_allowed():
     for address in ("0.0.0.0:9400", "10.1.2.3:9400", "[::]:9400", "metrics.example.com:9400"):
         with pytest.raises(ConfigError, match="allow_non_loopback"):
@@ -406,6 +426,7 @@ def test_busy_port_is_a_config_error():
             MetricsServer(Registry(), f"127.0.0.1:{port}").start()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("address,expected", [
     ("127.0.0.1:9400", ("127.0.0.1", 9400)),
     (":9400", ("127.0.0.1", 9400)),
@@ -417,6 +438,7 @@ def test_parse_address(address, expected):
     assert parse_address(address) == expected
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.1:http", "127.0.0.1:70000", "[::1]9400"])
 def test_parse_address_rejects_bad_values(address):
     with pytest.raises(ConfigError, match="metrics.address"):
