@@ -23,8 +23,11 @@ import torch
 from ddiloco_geo import codec
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.errors import CodecError
 from ddiloco_geo.core.outer import NUM_STEPS_KEY, OuterOptimizer
+from ddiloco_geo.core.signing import sign_record
 from ddiloco_geo.protocol import index
+from ddiloco_geo.protocol.verified import SYNCER_SIGNER, verified_header
 from ddiloco_geo.storage import Store
 
 RESIDUAL = "residual."  # state-object prefix of the update codec's error-feedback tensors  # in-memory globals kept for anchoring; older bases are read from the bucket
@@ -53,13 +56,15 @@ def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
 def commit_version(store: Store, *, run_id: str, fragment: int, version: int, params: dict[str, torch.Tensor],
                    state_tensors: dict[str, torch.Tensor], state_extra: dict[str, Any], record: dict[str, Any],
                    clock: VectorClock, signer: Any = None, after_commit: dict[str, bytes] | None = None,
-                   advance_index: bool = True) -> str | None:
+                   advance_index: bool = True, verifier: Any = None) -> str | None:
     """The publish protocol, shared by the syncer and ``restore --rollback``.
 
     Writes the state object (create-only, a random token in its key), then the global (create-only:
     the commit point, its header naming the state key), then ``after_commit`` objects (the update),
-    the tape entry and, if asked, the index. Returns the state key, or None when another writer
-    committed this version first (our state object, never referenced, is deleted).
+    the tape entry (signed like the global) and, if asked, the index. Returns the state key, or None
+    when another writer committed this version first (our state object, never referenced, is
+    deleted). An existing global is ours only if it names our state key and, with ``verifier``, the
+    syncer signed it: a forged object that copies our state key (it is listable) is not a win.
     """
     state_key = layout.syncer_state_key(fragment, version, secrets.token_hex(6))
     gkey = layout.global_key(fragment, version)
@@ -69,14 +74,18 @@ def commit_version(store: Store, *, run_id: str, fragment: int, version: int, pa
     record = {**record, "state_key": state_key, "published_at": time.time()}
     header = codec.Header(kind="global", run_id=run_id, fragment=fragment, version=version, clock=clock, extra=record)
     if not store.put_if_absent(gkey, codec.encode(params, header, codec="fp32", signer=signer)):
-        if index.read_header(store, gkey).extra.get("state_key") != state_key:
+        try:
+            ours = verified_header(store, gkey, verifier, SYNCER_SIGNER).extra.get("state_key") == state_key
+        except CodecError:
+            ours = False
+        if not ours:
             store.delete(state_key)
             return None
     for key, data in (after_commit or {}).items():
         store.put_if_absent(key, data)
-    store.put_if_absent(layout.tape_key(fragment, version), json.dumps(
-        {"fragment": fragment, "version": version, "clock": json.loads(clock.to_json()), **record},
-        default=str).encode())
+    entry = json.loads(json.dumps({"fragment": fragment, "version": version, "clock": json.loads(clock.to_json()),
+                                   **record}, default=str))  # signed as it will read back
+    store.put_if_absent(layout.tape_key(fragment, version), json.dumps(sign_record(entry, signer)).encode())
     if advance_index:
         index.advance_index(store, {fragment: version})
     return state_key

@@ -4,14 +4,35 @@ Each poll lists every learner's delta prefix after that learner's cursor (one li
 learner, ``start_after``), fetches new deltas with bounded concurrency and a bounded ranged read
 (an honest delta is at most its fragment in fp32 plus a header), decodes them defensively and
 validates them. A delta that fails any check is **rejected**: one log line, a counter, and a
-create-only record under ``syncer/rejected/`` (reasons: the codec's, plus ``wrong_learner``,
-``wrong_fragment``, ``wrong_seq``, ``clock_backwards``, ``replay``, ``stale``, ``future_base``,
-``no_steps``, ``norm``, ``rate_limit``, ``unknown_base``). A learner with ``quarantine_after``
-rejections in a row is quarantined: a durable record under ``syncer/quarantine/`` that an operator
-lifts by deleting it; until then its prefix is not listed (the ledger counts its deltas).
+create-only record under ``syncer/rejected/`` signed by the syncer (reasons: the codec's, plus
+``wrong_learner``, ``wrong_fragment``, ``wrong_seq``, ``clock_backwards``, ``replay``, ``stale``,
+``future_base``, ``no_steps``, ``norm``, ``rate_limit``, ``seq_ahead``, ``unknown_base``).
+
+Anyone who can write a learner's prefix can put objects there, so intake separates what the
+learner **provably sent** from junk (``docs/security.md``, threat model):
+
+- *provable*: signed by the learner's own key (in an unsigned run: decoded as a valid delta) and
+  its signed header names exactly the key it was found under (learner, seq, fragment). Only a
+  provable delta moves the listing cursor, consumes its sequence number (``consumed``), counts
+  against the rate limit and earns a strike toward quarantine (``quarantine_after`` provable
+  rejections in a row; a syncer-signed record under ``syncer/quarantine/`` that an operator lifts
+  by deleting it; unsigned or forged quarantine records are ignored with a log line);
+- *junk* (unsigned, forged, corrupt, a copy of another key's object, an odd key): recorded once
+  with its reason and remembered (at most :data:`MAX_JUNK_KEYS` keys per learner, oldest forgotten)
+  so it is not fetched again; it never moves the cursor, consumes nothing and is never held
+  against the learner. Junk at the learner's next sequence number therefore drops nothing: the
+  learner's uploader moves to the next free number and that delta is merged.
+
+Sequence numbers are bounded by the learner's signed history: a key more than
+:data:`MAX_SEQ_AHEAD` beyond the highest provable sequence number of that learner is not fetched
+(``seq_ahead``, junk), so no single object can push a learner's numbering to the end of the key
+space. The cursor is the highest provable key listed (never past a key whose fetch failed), so a
+junk key that sorts last is listed again each poll but skipped from memory, and keys below the
+cursor are never listed again.
 
 The norm check is per inner step, against the median over learners of each learner's own recent
-median, so one learner sending tiny or huge deltas cannot move the bar for the others.
+median, so one learner sending tiny or huge deltas cannot move the bar for the others. Log lines
+quote keys and details (``%r``): a newline in a key cannot forge a log line.
 """
 
 from __future__ import annotations
@@ -21,7 +42,8 @@ import json
 import logging
 import statistics
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -29,10 +51,30 @@ import torch
 from ddiloco_geo import codec, protocol
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import CodecError, NotFoundError, StorageError
+from ddiloco_geo.core.signing import sign_record
 from ddiloco_geo.storage import Store
 from ddiloco_geo.syncer.state import Ema, FragmentState, PendingDelta
 
 log = logging.getLogger(__name__)
+
+
+# Proposed setting syncer.max_seq_ahead (lead: core/config.py). An honest learner skips a sequence
+# number only when its key is taken (junk, or its own earlier incarnation), so its next delta is
+# at most a few numbers past its last; 100k leaves room for any restart while keeping one object
+# from pushing a learner's numbering anywhere near the 10^12 key space.
+MAX_SEQ_AHEAD = 100_000
+MAX_JUNK_KEYS = 4096  # per learner: junk remembered so it is not fetched again
+MAX_BAD_PREFIXES = 4096
+POST_SIGNATURE_CODEC_REASONS = {"nonfinite"}  # codec checks that run after the signature verified
+
+
+@dataclass
+class Fetched:
+    """A fetched delta: decoded (header, tensors), or the error and, when the signature verified
+    before a later codec check failed, the (signed) header."""
+
+    outcome: Any
+    header: codec.Header | None = None
 
 
 class Intake:
@@ -45,20 +87,26 @@ class Intake:
     def __init__(self, store: Store, spec: protocol.RunSpec, fragments: dict[int, FragmentState], *,
                  max_staleness: int, max_norm_ratio: float, max_deltas_per_min: int, quarantine_after: int,
                  fetch_concurrency: int, verifier: Any, require_signatures: bool, counters: dict[str, Any],
-                 metrics: Any, ema_step: Ema, now: Callable[[], float]) -> None:
+                 metrics: Any, ema_step: Ema, now: Callable[[], float], signer: Any = None,
+                 max_seq_ahead: int = MAX_SEQ_AHEAD) -> None:
         self.store, self.spec, self.plan, self.fragments = store, spec, spec.plan, fragments
         self.max_staleness, self.max_norm_ratio = max_staleness, max_norm_ratio
         self.max_deltas_per_min, self.quarantine_after = max_deltas_per_min, quarantine_after
-        self.fetch_concurrency = fetch_concurrency
-        self.verifier, self.require_signatures = verifier, require_signatures
+        self.fetch_concurrency, self.max_seq_ahead = fetch_concurrency, max_seq_ahead
+        self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.counters, self.metrics, self.ema_step, self.now = counters, metrics, ema_step, now
         self.recent: dict[str, deque] = defaultdict(deque)  # learner -> arrival times (rate limit)
-        self.strikes: dict[str, int] = defaultdict(int)  # learner -> rejections in a row
+        self.strikes: dict[str, int] = defaultdict(int)  # learner -> provable rejections in a row
         self.quarantined: set[str] = set()
+        self.ignored_quarantine: set[str] = set()  # forged quarantine record keys already logged
         self.last_clock: dict[str, int] = {}  # learner -> its own clock entry in its newest accepted delta
         self.seen_checksums: dict[str, deque] = defaultdict(lambda: deque(maxlen=256))
         self.list_cursor: dict[str, str | None] = {}
-        self.bad_keys: set[str] = set()
+        self.high_seq: dict[str, int] = {}  # learner -> highest provable sequence number seen
+        self.junk: dict[str, OrderedDict] = defaultdict(OrderedDict)  # learner -> junk keys (bounded)
+        self.bad_keys: OrderedDict = OrderedDict()  # odd learner prefixes already reported
+        self._advance: dict[str, str] = {}  # this poll: learner -> highest provable key
+        self._blocked: dict[str, str] = {}  # this poll: learner -> lowest key whose fetch failed
 
     def resume_cursors(self) -> None:
         """After a restart: list each known learner after the lowest high-water mark over our
@@ -67,26 +115,56 @@ class Intake:
         for learner in learners:
             low = min(s.consumed.get(learner, -1) for s in self.fragments.values())
             self.list_cursor[learner] = layout.delta_key(learner, low, 999) if low >= 0 else None
+            self.high_seq[learner] = max(s.consumed.get(learner, -1) for s in self.fragments.values())
 
     async def poll_once(self) -> int:
         """List and fetch new deltas; returns how many new delta keys were seen."""
         learners, bad_prefixes = await asyncio.to_thread(protocol.learner_ids, self.store)
-        listed = await asyncio.to_thread(protocol.quarantined_learners, self.store)
+        await asyncio.to_thread(self._refresh_quarantine)
+        for prefix in bad_prefixes:
+            if prefix not in self.bad_keys:
+                self._remember(self.bad_keys, prefix, MAX_BAD_PREFIXES)
+                self.count_reject("bad_key", prefix, None)
+        sem = asyncio.Semaphore(self.fetch_concurrency)
+        self._advance, self._blocked = {}, {}
+        listings = await asyncio.gather(*(self._list_learner(name, sem) for name in learners))
+        todo = [k for found in listings for k in found]
+        results = await asyncio.gather(*(self._fetch(k, sem) for k in todo))
+        for key, fetched in zip(todo, results):
+            self._accept_or_reject(key, fetched)
+        self._move_cursors()
+        return len(todo)
+
+    def _refresh_quarantine(self) -> None:
+        listed, ignored = protocol.quarantine_records(self.store, self.verifier)
+        for key in set(ignored) - self.ignored_quarantine:
+            log.warning("quarantine_record_ignored key=%r reason=not_signed_by_syncer", key)
+        self.ignored_quarantine = set(ignored)
         for lifted in self.quarantined - listed:  # an operator deleted the record: a fresh start
             self.strikes[lifted] = 0
             log.info("quarantine_lifted learner=%s", lifted)
         self.quarantined = listed
-        for prefix in bad_prefixes:
-            if prefix not in self.bad_keys:
-                self.bad_keys.add(prefix)
-                self.count_reject("bad_key", prefix, None)
-        sem = asyncio.Semaphore(self.fetch_concurrency)
-        listings = await asyncio.gather(*(self._list_learner(name, sem) for name in learners))
-        todo = [k for found in listings for k in found]
-        results = await asyncio.gather(*(self._fetch(k, sem) for k in todo))
-        for key, outcome in zip(todo, results):
-            self._accept_or_reject(key, outcome)
-        return len(todo)
+
+    @staticmethod
+    def _remember(memory: OrderedDict, key: str, cap: int) -> None:
+        memory[key] = True
+        while len(memory) > cap:
+            memory.popitem(last=False)
+
+    def _move_cursors(self) -> None:
+        """Each learner's cursor moves to its highest provable key listed this poll, never past a
+        key whose fetch failed (it is listed again next poll)."""
+        for learner, key in self._advance.items():
+            blocked = self._blocked.get(learner)
+            if blocked is not None and key >= blocked:
+                continue
+            if key > (self.list_cursor.get(learner) or ""):
+                self.list_cursor[learner] = key
+
+    def _provable_seen(self, dk: layout.DeltaKey, key: str) -> None:
+        self.high_seq[dk.learner] = max(dk.seq, self.high_seq.get(dk.learner, -1))
+        if key > self._advance.get(dk.learner, ""):
+            self._advance[dk.learner] = key
 
     async def _list_learner(self, learner: str, sem: asyncio.Semaphore) -> list[str]:
         if learner in self.quarantined:
@@ -95,26 +173,29 @@ class Intake:
             found = await asyncio.to_thread(
                 self.store.list, layout.deltas_dir(learner), self.list_cursor.get(learner)
             )
+        junk = self.junk[learner]
         out = []
         for key in found:
-            self.list_cursor[learner] = key
+            if key in junk:
+                continue
             try:
                 dk = layout.parse_delta_key(key)
             except layout.LayoutError:
-                if key not in self.bad_keys:
-                    self.bad_keys.add(key)
-                    self.count_reject("bad_key", key, None)
+                self._remember(junk, key, MAX_JUNK_KEYS)
+                self.count_reject("bad_key", key, None)
                 continue
             if dk.fragment not in self.fragments:
                 if dk.fragment >= self.plan.num_fragments:
-                    self.reject(key, dk, "wrong_fragment", f"fragment {dk.fragment} not in plan")
+                    self.record_junk(key, dk, "wrong_fragment", f"fragment {dk.fragment} not in plan")
+                continue  # another shard's fragment
+            state = self.fragments[dk.fragment]
+            if dk.seq <= state.consumed.get(dk.learner, -1) or any(d.key == key for d in state.pending):
+                if dk.seq <= self.high_seq.get(dk.learner, -1):
+                    self._provable_seen(dk, key)  # accounted for earlier: the cursor may pass it
                 continue
-            if dk.seq <= self.fragments[dk.fragment].consumed.get(dk.learner, -1):
-                continue
-            if any(d.key == key for d in self.fragments[dk.fragment].pending):
-                continue
-            if self._rate_limited(dk.learner):
-                self.reject(key, dk, "rate_limit", f"more than {self.max_deltas_per_min} deltas a minute")
+            if dk.seq > self.high_seq.get(dk.learner, -1) + self.max_seq_ahead:
+                self.record_junk(key, dk, "seq_ahead", f"seq {dk.seq} is more than {self.max_seq_ahead} past "
+                                                       f"the learner's last provable seq {self.high_seq.get(dk.learner, -1)}")
                 continue
             out.append(key)
         return out
@@ -127,7 +208,7 @@ class Intake:
         times.append(now)
         return len(times) > self.max_deltas_per_min
 
-    async def _fetch(self, key: str, sem: asyncio.Semaphore) -> Any:
+    async def _fetch(self, key: str, sem: asyncio.Semaphore) -> Fetched:
         dk = layout.parse_delta_key(key)
         # an honest delta is at most the fragment in fp32 plus its header: never download more
         limit = 4 * self.plan.numel(dk.fragment) + codec.MAX_HEADER_BYTES
@@ -135,33 +216,63 @@ class Intake:
             try:
                 data = await asyncio.to_thread(self.store.get, key, 0, limit + 1)
             except NotFoundError:
-                return CodecError("vanished", "listed but gone")
+                return Fetched(CodecError("vanished", "listed but gone"))
             except StorageError as exc:
-                return exc
+                return Fetched(exc)
         if len(data) > limit:
-            return CodecError("too_large", f"more than {limit} bytes for fragment {dk.fragment}")
+            return Fetched(CodecError("too_large", f"more than {limit} bytes for fragment {dk.fragment}"))
         try:
-            return await asyncio.to_thread(
+            return Fetched(await asyncio.to_thread(
                 codec.decode, data, kind="delta", run_id=self.spec.run_id, expect=self.plan.expect(dk.fragment),
                 verify=self.verifier, require_signature=self.require_signatures,
                 expected_signer=f"learner:{dk.learner}" if self.verifier is not None else None,
-            )
+            ))
         except CodecError as exc:
-            return exc
+            signed = None
+            if exc.reason in POST_SIGNATURE_CODEC_REASONS and self.verifier is not None:
+                signed = codec.read_header(data)  # the signature over it verified before this check
+            return Fetched(exc, signed)
 
-    def _accept_or_reject(self, key: str, outcome: Any) -> None:
+    @staticmethod
+    def _names_key(header: codec.Header, dk: layout.DeltaKey) -> tuple[str | None, str]:
+        """Why a (signed) header does not name exactly this key, or (None, '')."""
+        if header.learner != dk.learner:
+            return "wrong_learner", f"header says {header.learner!r}, prefix says {dk.learner!r}"
+        if header.fragment != dk.fragment:
+            return "wrong_fragment", f"header says {header.fragment}, key says {dk.fragment}"
+        if header.seq != dk.seq:
+            return "wrong_seq", f"header says {header.seq}, key says {dk.seq}"
+        return None, ""
+
+    def _accept_or_reject(self, key: str, fetched: Fetched) -> None:
         dk = layout.parse_delta_key(key)
-        self.counters["deltas_seen"] += 1
+        outcome = fetched.outcome
         if isinstance(outcome, StorageError) and not isinstance(outcome, NotFoundError):
             # transient trouble after retries: leave it for the next poll, do not account it yet
-            self.counters["deltas_seen"] -= 1
-            self.list_cursor[dk.learner] = None if dk.seq == 0 else layout.delta_key(dk.learner, dk.seq - 1, 999)
-            log.warning("delta_fetch_failed key=%s error=%s action=retry_next_poll", key, outcome)
+            if key < self._blocked.get(dk.learner, "\uffff"):
+                self._blocked[dk.learner] = key
+            log.warning("delta_fetch_failed key=%r error=%s action=retry_next_poll", key, outcome)
             return
+        self.counters["deltas_seen"] += 1
         if isinstance(outcome, CodecError):
-            self.reject(key, dk, outcome.reason, outcome.detail)
+            provable = fetched.header is not None and self._names_key(fetched.header, dk)[0] is None
+            if provable:
+                self._provable_seen(dk, key)
+                self.reject(key, dk, outcome.reason, outcome.detail)
+            else:
+                self.record_junk(key, dk, outcome.reason, outcome.detail)
             return
         header, pseudo_grad = outcome
+        reason, detail = self._names_key(header, dk)
+        if reason:  # a copy of another key's object (or the learner's own mistake): not provable here
+            if header.checksum in self.seen_checksums[dk.learner]:
+                reason, detail = "replay", f"same payload as an earlier delta of this learner ({detail})"
+            self.record_junk(key, dk, reason, detail)
+            return
+        self._provable_seen(dk, key)
+        if self._rate_limited(dk.learner):
+            self.reject(key, dk, "rate_limit", f"more than {self.max_deltas_per_min} deltas a minute")
+            return
         state = self.fragments[dk.fragment]
         reason, detail = self._validate(dk, header, pseudo_grad, state)
         if reason:
@@ -180,12 +291,6 @@ class Intake:
                   state: FragmentState) -> tuple[str | None, str]:
         if header.checksum in self.seen_checksums[dk.learner]:
             return "replay", "same payload as an earlier delta of this learner"
-        if header.learner != dk.learner:
-            return "wrong_learner", f"header says {header.learner!r}, prefix says {dk.learner!r}"
-        if header.fragment != dk.fragment:
-            return "wrong_fragment", f"header says {header.fragment}, key says {dk.fragment}"
-        if header.seq != dk.seq:
-            return "wrong_seq", f"header says {header.seq}, key says {dk.seq}"
         own = header.clock[dk.learner]
         if own <= self.last_clock.get(dk.learner, 0) or own != dk.seq + 1:
             return "clock_backwards", f"own clock entry {own} after {self.last_clock.get(dk.learner, 0)} (seq {dk.seq})"
@@ -207,33 +312,47 @@ class Intake:
         self.last_clock[dk.learner] = own
         return None, ""
 
+    def _record(self, key: str, dk: layout.DeltaKey, reason: str, detail: str, provable: bool) -> None:
+        record = {"key": key, "learner": dk.learner, "seq": dk.seq, "fragment": dk.fragment, "reason": reason,
+                  "detail": detail[:500], "at": time.time(), "provable": provable}
+        try:
+            self.store.put_if_absent(layout.rejected_key(dk.learner, dk.seq, dk.fragment),
+                                     json.dumps(sign_record(record, self.signer)).encode())
+        except StorageError as exc:
+            log.warning("reject_record_failed key=%r error=%s", key, exc)
+
+    def record_junk(self, key: str, dk: layout.DeltaKey, reason: str, detail: str) -> None:
+        """Something in a learner's prefix that the learner provably did not send: recorded once,
+        remembered, never held against the learner, consumes nothing."""
+        self._remember(self.junk[dk.learner], key, MAX_JUNK_KEYS)
+        self.count_reject(reason, key, detail)
+        self._record(key, dk, reason, detail, provable=False)
+
     def reject(self, key: str, dk: layout.DeltaKey, reason: str, detail: str) -> None:
-        """Record a rejection (log line, counter, create-only record), count a strike against the
-        learner (quarantine after ``quarantine_after`` in a row) and account the delta."""
+        """Reject a delta the learner provably sent: record it (log line, counter, signed
+        create-only record), count a strike against the learner (quarantine after
+        ``quarantine_after`` in a row) and account the delta (its sequence number is consumed)."""
         self.count_reject(reason, key, detail)
         self.strikes[dk.learner] += 1
         if self.strikes[dk.learner] >= self.quarantine_after and dk.learner not in self.quarantined:
-            self.quarantined.add(dk.learner)
-            record = {"learner": dk.learner, "at": time.time(), "last_reason": reason,
-                      "strikes": self.strikes[dk.learner], "lift": f"delete {layout.quarantine_key(dk.learner)}"}
-            try:
-                self.store.put_if_absent(layout.quarantine_key(dk.learner), json.dumps(record).encode())
-            except StorageError as exc:
-                log.warning("quarantine_record_failed learner=%s error=%s", dk.learner, exc)
-            log.warning("learner_quarantined learner=%s strikes=%d last_reason=%s", dk.learner,
-                        self.strikes[dk.learner], reason)
-        record = {"key": key, "learner": dk.learner, "seq": dk.seq, "fragment": dk.fragment,
-                  "reason": reason, "detail": detail[:500], "at": time.time()}
-        try:
-            self.store.put_if_absent(layout.rejected_key(dk.learner, dk.seq, dk.fragment), json.dumps(record).encode())
-        except StorageError as exc:
-            log.warning("reject_record_failed key=%s error=%s", key, exc)
+            self._quarantine(dk.learner, reason)
+        self._record(key, dk, reason, detail, provable=True)
         state = self.fragments.get(dk.fragment)
         if state is not None:
             state.consumed[dk.learner] = max(dk.seq, state.consumed.get(dk.learner, -1))
+
+    def _quarantine(self, learner: str, reason: str) -> None:
+        self.quarantined.add(learner)
+        record = {"learner": learner, "at": time.time(), "last_reason": reason,
+                  "strikes": self.strikes[learner], "lift": f"delete {layout.quarantine_key(learner)}"}
+        try:
+            self.store.put_if_absent(layout.quarantine_key(learner), json.dumps(sign_record(record, self.signer)).encode())
+        except StorageError as exc:
+            log.warning("quarantine_record_failed learner=%s error=%s", learner, exc)
+        log.warning("learner_quarantined learner=%s strikes=%d last_reason=%s", learner, self.strikes[learner], reason)
 
     def count_reject(self, reason: str, key: str, detail: str | None) -> None:
         self.metrics.deltas_rejected_total.inc(reason=reason)
         self.counters["deltas_rejected"] += 1
         self.counters["rejected_by_reason"][reason] += 1
-        log.warning("delta_rejected reason=%s key=%s detail=%s", reason, key, detail or "")
+        log.warning("delta_rejected reason=%s key=%r detail=%r", reason, key, (detail or "")[:300])

@@ -39,10 +39,12 @@ import torch
 from ddiloco_geo import codec, protocol
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.clocks import VectorClock
-from ddiloco_geo.core.errors import DdilocoError, NotFoundError, StorageError
+from ddiloco_geo.core.errors import CodecError, DdilocoError, NotFoundError, StorageError
 from ddiloco_geo.core.outer import OuterOptimizer
 from ddiloco_geo.metrics import Registry, export_store_stats, syncer_metrics
+from ddiloco_geo.core.signing import sign_record
 from ddiloco_geo.protocol.publish import RESIDUAL, commit_version, compress_update, outer_state_to_wire
+from ddiloco_geo.protocol.verified import record_forged
 from ddiloco_geo.storage import Store
 from ddiloco_geo.syncer.intake import Intake
 from ddiloco_geo.syncer.rounds import RoundPolicy, build_merge, select_contributors
@@ -51,6 +53,11 @@ from ddiloco_geo.syncer.state import Ema, FragmentState, load_fragment
 log = logging.getLogger(__name__)
 
 SYNCER_ACTOR = "syncer"
+MAX_FORGED_IN_A_ROW = 16  # forged globals skipped in a row before the syncer stops and says what to delete
+
+
+class ForgedObjectError(DdilocoError):
+    """Forged globals the syncer cannot publish past; the message says what to delete."""
 
 
 class Syncer:
@@ -113,7 +120,7 @@ class Syncer:
             store, spec, self.fragments, max_staleness=max_staleness, max_norm_ratio=max_norm_ratio,
             max_deltas_per_min=max_deltas_per_min, quarantine_after=quarantine_after,
             fetch_concurrency=fetch_concurrency, verifier=verifier, require_signatures=require_signatures,
-            counters=self.counters, metrics=self.metrics, ema_step=self.ema_step, now=now)
+            counters=self.counters, metrics=self.metrics, ema_step=self.ema_step, now=now, signer=signer)
         self.stopping = False
         self.draining = False
         self.closed = False
@@ -124,10 +131,11 @@ class Syncer:
     # --- bootstrap and resume --------------------------------------------------------------------
 
     def bootstrap(self, initial_params: dict[str, torch.Tensor]) -> None:
-        """Resume every owned fragment from the bucket, publishing version 0 where none exists."""
-        index, _ = protocol.read_index(self.store)
+        """Resume every owned fragment from its newest version that verifies (forged or corrupt
+        newer ones are set aside: recorded under ``syncer/forged/``, never adopted, and the next
+        publish goes above them); publish version 0 where no version exists at all."""
         for p in self.owned:
-            latest = protocol.latest_version(self.store, p, hint=index.get(p))
+            latest = self._newest_adoptable(p)
             if latest is None:
                 names = self.plan.fragments[p]
                 params = {n: initial_params[n].detach().to(torch.float32).clone() for n in names}
@@ -136,15 +144,34 @@ class Syncer:
                 self._publish(state, params, state.outer, {
                     "kind": "init", "merged": [], "torch": torch.__version__,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability()}, dict(state.consumed), VectorClock())
-            else:
-                self._adopt_published(p, latest)
         protocol.advance_index(self.store, {p: s.version for p, s in self.fragments.items()})
         self.intake.resume_cursors()
         self.ready_at = time.time()
         log.info("syncer_ready shard=%d/%d fragments=%d versions=%s", self.shard_index, self.num_shards,
                  len(self.owned), {p: s.version for p, s in self.fragments.items()})
 
+    def _newest_adoptable(self, p: int) -> int | None:
+        """Adopt the newest version of fragment ``p`` whose global and state verify; None if the
+        fragment has no version at all. The listing is read, not ``globals/HEAD`` (unsigned)."""
+        versions = sorted(protocol.list_versions(self.store, p), reverse=True)
+        for version in versions:
+            try:
+                self._adopt_published(p, version)
+                return version
+            except NotFoundError:
+                continue  # listed, then gone (or its state object is): try the one before
+            except CodecError as exc:
+                record_forged(self.store, p, version, f"{exc.reason}: {exc.detail}", self.signer)
+        if versions:
+            raise ForgedObjectError(
+                f"fragment {p}: none of its {len(versions)} published versions verifies with this syncer's keys. "
+                "If this is the run's syncer, check security.run_secret (it must be the run's); otherwise every "
+                f"global under {layout.fragment_dir(p)} is forged: delete them (see syncer/forged/) and restart")
+        return None
+
     def _adopt_published(self, p: int, version: int) -> None:
+        """Load a published version (global and state, both verified) as fragment ``p``'s state;
+        CodecError if either fails verification (nothing changes then)."""
         state, state_key = load_fragment(self.store, self.spec, p, version, outer_kwargs=self.outer_kwargs,
                                          verifier=self.verifier, require_signatures=self.require_signatures)
         old = self.fragments.get(p)
@@ -152,7 +179,7 @@ class Syncer:
             state.pending = [d for d in old.pending if d.seq > state.consumed.get(d.learner, -1)]
             state.norms = old.norms
         self.fragments[p] = state
-        log.info("fragment_adopted fragment=%d version=%d state=%s", p, version, state_key)
+        log.info("fragment_adopted fragment=%d version=%d state=%r", p, version, state_key)
 
     # --- intake and rounds -----------------------------------------------------------------------
 
@@ -244,10 +271,27 @@ class Syncer:
 
     # --- publishing ------------------------------------------------------------------------------
 
+    def _publish_above_forged(self, state: FragmentState, params: dict[str, torch.Tensor], outer: OuterOptimizer,
+                              record: dict[str, Any], consumed: dict[str, int], clock: VectorClock,
+                              forged: int) -> bool:
+        """After a forged winner at ``forged``: publish the same content at the next version number
+        (at most :data:`MAX_FORGED_IN_A_ROW` tries, then stop with what to delete)."""
+        state.forged_skips += 1
+        skips = state.forged_skips
+        if skips > MAX_FORGED_IN_A_ROW:
+            raise ForgedObjectError(
+                f"fragment {state.fragment}: {skips - 1} forged globals in a row up to {layout.global_key(state.fragment, forged)}; "
+                f"someone without the run secret writes globals/: revoke that access, delete the globals listed "
+                f"under syncer/forged/ and restart the syncer")
+        return self._publish(state, params, outer, record, consumed, clock, version=forged + 1)
+
     def _publish(self, state: FragmentState, params: dict[str, torch.Tensor], outer: OuterOptimizer,
-                 record: dict[str, Any], consumed: dict[str, int], clock: VectorClock) -> bool:
-        """Commit a new version (``commit_version``) and move this fragment's in-memory state to it."""
-        p, version = state.fragment, state.version + 1
+                 record: dict[str, Any], consumed: dict[str, int], clock: VectorClock,
+                 version: int | None = None) -> bool:
+        """Commit a new version (``commit_version``) and move this fragment's in-memory state to it
+        (``version``: the number to try, above a forged one; default the next)."""
+        p = state.fragment
+        version = state.version + 1 if version is None else version
         clock = clock.tick(SYNCER_ACTOR)
         is_merge = record.get("kind") == "merge"
         update, residual = None, state.residual
@@ -263,13 +307,18 @@ class Syncer:
             state_tensors=tensors, state_extra={"consumed": consumed, "outer_num_steps": outer_steps},
             record=record, clock=clock, signer=self.signer,
             after_commit={layout.global_update_key(p, version): update} if update is not None else None,
-            advance_index=is_merge,
+            advance_index=is_merge, verifier=self.verifier,
         )
         if state_key is None:
             self.counters["publish_races_lost"] += 1
-            log.warning("publish_race_lost fragment=%d version=%d action=adopt_winner", p, version)
-            self._adopt_published(p, version)
-            return False
+            try:
+                self._adopt_published(p, version)
+                log.warning("publish_race_lost fragment=%d version=%d action=adopt_winner", p, version)
+                return False
+            except CodecError as exc:  # a forged or corrupt winner: set it aside, publish above it
+                record_forged(self.store, p, version, f"{exc.reason}: {exc.detail}", self.signer)
+            return self._publish_above_forged(state, params, outer, record, consumed, clock, version)
+        state.forged_skips = 0
         state.remember(version, params)
         state.version, state.params, state.outer, state.clock = version, params, outer, clock
         state.consumed, state.residual = consumed, residual
@@ -313,7 +362,7 @@ class Syncer:
         export_store_stats(self.registry, "syncer", self.store.stats.snapshot())
         self._last_status_s = now
         key = layout.syncer_status_key(self.shard_index, self.num_shards)
-        body = json.dumps(self.status(), default=str).encode()
+        body = json.dumps(sign_record(json.loads(json.dumps(self.status(), default=str)), self.signer)).encode()
         for _ in range(3):
             try:
                 self._status_token = self.store.cas(key, body, self._status_token)

@@ -52,6 +52,7 @@ class FragmentState:
     quorum_s: float | None = None
     last_merge_s: float | None = None
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback of update objects
+    forged_skips: int = 0  # forged globals published past in a row (service._publish_above_forged)
 
     def remember(self, version: int, params: dict[str, torch.Tensor]) -> None:
         self.history[version] = params
