@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "selfcheck": "check a store: create-only, compare-and-swap, list, ranged get, delete",
     "bench": "benchmarks that print JSON (codec, quality, bandwidth, overhead, syncer)",
     "simulate": "goodput and bandwidth simulator at data-centre scale",
+    "plan": "recommend learners, regions, H, P, codec and syncer from a regions file; time and cost",
     "wan-proxy": "TCP proxy on 127.0.0.1 that adds delay and caps bandwidth",
     "status": "live view of a run, from the bucket alone",
     "report": "PNG charts and a summary of a run",
