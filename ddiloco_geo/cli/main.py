@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "snapshot": "take a consistent snapshot of a run",
     "restore": "start or roll back a run from a snapshot",
     "export": "write the global model as one plain safetensors file",
+    "data": "tokenize a text corpus into token shards (data prepare) or train a BPE tokenizer (data tokenizer)",
     "replay": "recompute every published version and check it bit for bit",
     "gc": "delete what the retention policy allows from a run's bucket (--dry-run to look)",
 }

@@ -61,7 +61,8 @@ class StorageConfig(Section):
 
 
 class ModelConfig(Section):
-    """The model every learner trains: a built-in GPT by name or dimensions, or a user factory."""
+    """The model every learner trains: a built-in GPT by name or dimensions, a Hugging Face causal LM
+    built from a config (the [hf] extra), or a user factory."""
 
     name: str = Field("tiny", description="built-in size: nano, tiny, small, base, large, xl, or 'custom' (use n_layer/n_head/n_embd)")
     n_layer: int | None = Field(None, ge=1)
@@ -74,19 +75,38 @@ class ModelConfig(Section):
         description="parameter-name substrings merged by weighted mean instead of RDA",
     )
     seed: int = Field(0, description="initial weights seed (identical on every learner)")
+    hf_config: str | None = Field(None, description="Hugging Face model: a local directory with a transformers config.json (or the file); "
+                                  "builds AutoModelForCausalLM.from_config, nothing is downloaded; needs the [hf] extra; overrides name")
+    hf_class: str | None = Field(None, description="Hugging Face model from a config class, e.g. 'LlamaConfig' or 'package.module:Class', "
+                                 "built with model.hf_kwargs; overrides name")
+    hf_kwargs: dict[str, Any] = Field(default_factory=dict, description="arguments of model.hf_class, or values that override "
+                                      "model.hf_config's (e.g. {num_hidden_layers = 2})")
 
 
 class DataConfig(Section):
-    corpus: str = Field("shakespeare", description="'shakespeare', 'stdlib', or a glob of text files (local path or bucket URL)")
+    corpus: str = Field("shakespeare", description="'shakespeare', 'stdlib', a glob of text files (local path or bucket URL), "
+                        "or 'tokens:URL' for token shards written by 'ddiloco-geo data prepare' (directory or bucket URL)")
     eval_ratio: float = Field(0.02, gt=0, lt=0.5, description="held-out share of the corpus for evaluation")
     eval_batches: int = Field(8, ge=1)
     max_bytes: int | None = Field(None, ge=1024, description="cap on corpus bytes read (None: all)")
     shard: str = Field("0/1", description="'i/N': this learner reads the i-th of N disjoint shards")
+    chunk_tokens: int = Field(1 << 20, ge=64, description="tokens: corpora: tokens per ranged read; a learner shuffles "
+                              "the chunks of its slice, then the windows inside a chunk")
+    storage: dict[str, Any] = Field(default_factory=dict, description="tokens: corpora in a bucket: storage-section keys for "
+                                    "that bucket (e.g. {endpoint_url = '...', anonymous = true}); empty: the defaults")
 
     @field_validator("shard")
     @classmethod
     def _shard(cls, v: str) -> str:
         return _check_shard(v)
+
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if "url" in v:
+            raise ValueError("data.storage takes no url: the URL is the one in data.corpus ('tokens:URL')")
+        StorageConfig.model_validate(v)  # unknown keys and bad values fail here, with the key's name
+        return v
 
 
 class LearnerConfig(Section):

@@ -21,7 +21,13 @@ xl       28       16      1024    353,351,680      350M
 
 ``name="custom"`` takes ``n_layer``/``n_head``/``n_embd`` (all required). With a named size, any of
 the three given explicitly overrides that size's value. ``factory="package.module:function"``
-replaces the built-in GPT altogether.
+replaces the built-in GPT altogether, and so does a Hugging Face causal LM built from a config
+(``hf_config`` or ``hf_class``, :mod:`ddiloco_geo.core.hf`).
+
+Embeddings for the merge (:func:`embedding_rule`): the parameters of every ``nn.Embedding`` and of
+the output layer (the model's ``get_output_embeddings()``, else the last ``nn.Linear`` whose weight
+has the shape of an embedding's), found from module types on any model, plus any name matching
+``embedding_patterns``. :func:`generate` samples from any model with the ``(logits, loss)`` contract.
 
 Initialisation is deterministic: weights depend only on ``ModelConfig.seed`` (the global RNG is
 forked and restored), so every learner and the syncer build the same starting point.
@@ -39,6 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddiloco_geo.core import hf
 from ddiloco_geo.core.config import ModelConfig
 from ddiloco_geo.core.errors import ConfigError
 
@@ -180,6 +187,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         torch.manual_seed(cfg.seed)
         if cfg.factory:
             return _from_factory(cfg)
+        if hf.is_hf(cfg):
+            return hf.build_hf(cfg)
         return GPT(resolve_dims(cfg))
 
 
@@ -233,10 +242,71 @@ def is_embedding(name: str, patterns: Iterable[str]) -> bool:
     return any(pattern in part for pattern in patterns for part in parts)
 
 
-def embedding_rule(cfg: ModelConfig) -> Callable[[str], bool]:
-    """The model settings' rule for which tensors are merged by weighted mean instead of RDA."""
+def embedding_names(model: nn.Module) -> set[str]:
+    """Parameter names of the model's embeddings, from module types: every ``nn.Embedding`` and the
+    output layer (``get_output_embeddings()`` where the model has it, else the last ``nn.Linear``
+    whose weight has an embedding's shape). Tied weights give their one (first) name."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    modules = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is None:
+        shapes = {tuple(m.weight.shape) for m in modules}
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear) and tuple(m.weight.shape) in shapes]
+        head = linears[-1] if linears else None
+    if isinstance(head, nn.Module):
+        modules.append(head)
+    return {name_of[id(p)] for m in modules for p in m.parameters(recurse=False) if id(p) in name_of}
+
+
+def embedding_rule(cfg: ModelConfig, model: nn.Module | None = None) -> Callable[[str], bool]:
+    """Which tensors are merged by weighted mean instead of RDA: :func:`embedding_names` of the
+    model (built on the meta device when not given: no memory, no weights) or a name matching
+    ``cfg.embedding_patterns``."""
+    if model is None:
+        if cfg.factory:  # a user factory may not build on the meta device
+            model = build_model(cfg)
+        else:
+            with torch.device("meta"):
+                model = build_model(cfg)
+    names = embedding_names(model)
     patterns = list(cfg.embedding_patterns)
-    return lambda name: is_embedding(name, patterns)
+    return lambda name: name in names or is_embedding(name, patterns)
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """Rows of the model's input embedding (its vocabulary), if it has one."""
+    getter = getattr(model, "get_input_embeddings", None)
+    emb = getter() if callable(getter) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if isinstance(emb, nn.Embedding) else None
+
+
+def generate(model: nn.Module, prompt: list[int], num_tokens: int, *, block_size: int, top_k: int = 1,
+             temperature: float = 1.0, seed: int = 0) -> list[int]:
+    """``num_tokens`` new token ids after ``prompt``: greedy with ``top_k=1``, else sampled from the
+    ``top_k`` most likely (seeded, so a run's sample is reproducible). Context is cropped to
+    ``block_size``; the training mode is restored."""
+    if not prompt:
+        raise ValueError("generate needs a non-empty prompt")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = list(prompt)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(num_tokens):
+                idx = torch.tensor([ids[-block_size:]], dtype=torch.long, device=device)
+                logits = model(idx)[0][0, -1].float().cpu()
+                if top_k <= 1:
+                    ids.append(int(logits.argmax()))
+                    continue
+                top = torch.topk(logits / max(temperature, 1e-6), min(top_k, logits.numel()))
+                choice = torch.multinomial(torch.softmax(top.values, dim=-1), 1, generator=gen)
+                ids.append(int(top.indices[choice]))
+    finally:
+        model.train(was_training)
+    return ids[len(prompt):]
 
 
 def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from ddiloco_geo import codec, protocol
-from ddiloco_geo.core import data as datamod
 from ddiloco_geo.core import layout
 from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.clocks import VectorClock
@@ -45,6 +44,7 @@ from ddiloco_geo.core.fragments import Schedule
 from ddiloco_geo.core.signing import learner_keys, sign_record
 from ddiloco_geo.learner import checkpoint as ckpt
 from ddiloco_geo.learner import ranks
+from ddiloco_geo.learner.data import make_reader
 from ddiloco_geo.learner.poller import GlobalPoller
 from ddiloco_geo.learner.schedule import lr_schedule
 from ddiloco_geo.learner.uploader import Outgoing, Uploader
@@ -74,11 +74,9 @@ class Learner:
         shard, num_shards = (int(x) for x in data.shard.split("/"))
         torch.manual_seed(model.seed + 1000 * shard + rank)
         self.model = modelmod.build_model(model).to(self.device)
-        corpus = datamod.load_corpus(data.corpus, max_bytes=data.max_bytes)
-        train, self.eval_data = datamod.split(corpus, data.eval_ratio)
-        self.reader = datamod.ShardReader(
-            train, shard=shard * world + rank, num_shards=num_shards * world,
-            block_size=model.block_size, batch_size=self.cfg.batch_size, seed=model.seed + shard,
+        self.reader = make_reader(
+            data, slice_index=shard * world + rank, num_slices=num_shards * world, block_size=model.block_size,
+            batch_size=self.cfg.batch_size, seed=model.seed + shard, vocab_size=modelmod.vocab_size(self.model),
         )
         self.spec: protocol.RunSpec | None = None
         self.stop_reason: str | None = None
