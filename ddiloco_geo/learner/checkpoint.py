@@ -21,6 +21,7 @@ import torch
 from ddiloco_geo import codec
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import CodecError, NotFoundError
+from ddiloco_geo.learner import ranks
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -77,3 +78,18 @@ def params_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def moments_of(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return tensors[CKPT_EXP_AVG + name], tensors[CKPT_EXP_AVG_SQ + name]
+
+
+def restore_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
+                 adam_steps: dict[str, float], *, rank: int, world: int, device: torch.device) -> None:
+    """AdamW moments and step counts from rank 0's checkpoint tensors, on every rank."""
+    for name, param in model.named_parameters():
+        if name not in adam_steps:
+            continue
+        if rank == 0:
+            moments = [t.to(device) for t in moments_of(tensors, name)]
+        else:
+            moments = [torch.empty_like(param, dtype=torch.float32) for _ in range(2)]
+        moments = [ranks.broadcast_tensor(t, world).to(param.dtype) for t in moments]
+        optimizer.state[param] = {"step": torch.tensor(float(adam_steps[name])),
+                                  "exp_avg": moments[0], "exp_avg_sq": moments[1]}

@@ -23,12 +23,10 @@ heartbeat threads. A killed learner loses only its unflushed work. The caller ow
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import socket
-import threading
 import time
 from typing import Any
 
@@ -39,14 +37,15 @@ from ddiloco_geo.core import layout
 from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.config import DataConfig, FragmentConfig, LearnerConfig, ModelConfig, RunConfig, SecurityConfig
-from ddiloco_geo.core.errors import DdilocoError, NotFoundError, StorageError
+from ddiloco_geo.core.errors import DdilocoError, StorageError
 from ddiloco_geo.core.fragments import Schedule
-from ddiloco_geo.core.signing import learner_keys, sign_record
+from ddiloco_geo.core.signing import learner_keys
 from ddiloco_geo.learner import checkpoint as ckpt
 from ddiloco_geo.learner import ranks
 from ddiloco_geo.learner.data import make_reader
 from ddiloco_geo.learner.poller import GlobalPoller
-from ddiloco_geo.learner.schedule import lr_schedule
+from ddiloco_geo.learner.presence import Presence
+from ddiloco_geo.learner.schedule import lr_schedule, run_progress
 from ddiloco_geo.learner.uploader import Outgoing, Uploader
 from ddiloco_geo.metrics import Registry, export_store_stats, learner_metrics
 from ddiloco_geo.storage import Store
@@ -229,22 +228,11 @@ class Learner:
             self.c_steps = [int(x) for x in info["c_steps"]]
             self.c_tokens = [int(x) for x in info["c_tokens"]]
             self.last_sent_step = [int(x) for x in info["last_sent_step"]]
-        self._restore_adam(tensors, info["adam_steps"])
+        ckpt.restore_adam(self.optimizer, self.model, tensors, info["adam_steps"], rank=self.rank, world=self.world,
+                          device=self.device)
         log.info("learner_resumed learner=%s checkpoint=%s step=%d params=%s", self.learner_id, info["key"],
                  self.step, "checkpoint" if info["compatible"] else "latest globals")
         return info["key"]
-
-    def _restore_adam(self, tensors: dict[str, torch.Tensor], adam_steps: dict[str, float]) -> None:
-        for name, param in self.model.named_parameters():
-            if name not in adam_steps:
-                continue
-            if self.rank == 0:
-                moments = [t.to(self.device) for t in ckpt.moments_of(tensors, name)]
-            else:
-                moments = [torch.empty_like(param, dtype=torch.float32) for _ in range(2)]
-            moments = [ranks.broadcast_tensor(t, self.world).to(param.dtype) for t in moments]
-            self.optimizer.state[param] = {"step": torch.tensor(float(adam_steps[name])),
-                                           "exp_avg": moments[0], "exp_avg_sq": moments[1]}
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -334,13 +322,10 @@ class Learner:
         self.step_ema: float | None = None
         self.loss_ema: float | None = None
         self._last_hb = 0.0
-        self._hb_token: str | None = None
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
         self.train_s: float | None = None  # set when the learner stops stepping
-        if self.rank == 0 and not self.inline_io:
-            self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-            self._hb_thread.start()
+        if self.rank == 0:
+            self.presence = Presence(self.store, self.learner_id, status=self._status, signer=self.signer,
+                                     heartbeat_s=self.cfg.heartbeat_s, threaded=not self.inline_io)
 
     def step_once(self, step_s: float | None = None) -> bool:
         """One inner step with its adoptions and sends; False once the learner should stop.
@@ -377,13 +362,8 @@ class Learner:
                          sum(self.base_version), self.uploader.depth())
             if self.inline_io and time.monotonic() - self._last_hb > self.cfg.heartbeat_s:
                 self._last_hb = time.monotonic()
-                self._heartbeat(self.step_ema)
+                self.presence.beat()
         return True
-
-    def _heartbeat_loop(self) -> None:
-        """Heartbeats from their own thread: a slow link or a storage retry never delays a step."""
-        while not self._hb_stop.wait(self.cfg.heartbeat_s):
-            self._heartbeat(self.step_ema)
 
     def _observe_step(self, dt: float, loss: float) -> None:
         m = self.metrics
@@ -425,13 +405,11 @@ class Learner:
             self.poller.stop()
             checkpoint = self._exit_checkpoint(cursors, t0)
         finally:
-            self._hb_stop.set()
-            if self._hb_thread is not None:
-                self._hb_thread.join(timeout=self.cfg.heartbeat_s + 5)
-        summary = self._status(None)
+            self.presence.stop()
+        summary = self._status("exited")
         summary.update({"reason": self.stop_reason, "flushed": flushed, "flush_s": time.monotonic() - t0,
                         "checkpoint": checkpoint, "resumed_from": self.resumed_from, "history": self.history})
-        self._write_exit_record(summary)
+        self.presence.exited(summary)
         log.info("learner_exit learner=%s reason=%s steps=%d tokens=%d deltas_sent=%d flushed=%s",
                  self.learner_id, self.stop_reason, self.step, self.tokens_total,
                  self.uploader.counters["deltas_sent"], flushed)
@@ -451,49 +429,18 @@ class Learner:
                         time.monotonic() - t0, self.cfg.flush_deadline_s)
         return checkpoint
 
-    def _write_exit_record(self, summary: dict[str, Any]) -> None:
-        try:
-            token = None
-            try:
-                _, token = self.store.read_token(layout.exit_key(self.learner_id))
-            except NotFoundError:
-                pass
-            self.store.cas(layout.exit_key(self.learner_id),
-                           json.dumps(sign_record(summary, self.signer), default=str).encode(), token)
-            self._heartbeat(None, state="exited")
-        except StorageError as exc:
-            log.warning("exit_record_failed error=%s", exc)
-
-    def _status(self, step_s: float | None, state: str = "running") -> dict:
+    def _status(self, state: str = "running") -> dict:
+        export_store_stats(self.registry, "learner", self.store.stats.snapshot())
         elapsed = max(1e-9, self.train_s if self.train_s is not None else time.monotonic() - self.started)
         return {
             "learner": self.learner_id, "region": self.cfg.region, "state": state, "step": self.step,
             "tokens": self.tokens_total, "tokens_per_s": self.tokens_total / elapsed, "loss": self.loss_ema,
-            "step_s": step_s, "versions": self.base_version, "time": time.time(), "host": socket.gethostname(),
+            "step_s": self.step_ema if state == "running" else None, "versions": self.base_version, "time": time.time(), "host": socket.gethostname(),
             "pid": os.getpid(), "world_size": self.world, "uploads": dict(self.uploader.counters),
             "upload_queue": self.uploader.depth(), "poller": dict(self.poller.counters),
             "fragment_steps": {"trained": self.frag_steps_trained, "discarded": self.frag_steps_discarded},
             "storage": self.store.stats.snapshot(),
         }
-
-    def _heartbeat(self, step_s: float | None, state: str = "running") -> None:
-        export_store_stats(self.registry, "learner", self.store.stats.snapshot())
-        body = json.dumps(sign_record(self._status(step_s, state), self.signer), default=str).encode()
-        key = layout.heartbeat_key(self.learner_id)
-        try:
-            self._hb_token = self.store.cas(key, body, self._hb_token)
-        except StorageError:  # a stale token (e.g. an earlier incarnation wrote it): re-read, next beat wins
-            try:
-                _, self._hb_token = self.store.read_token(key)
-            except StorageError:
-                self._hb_token = None
-
-
-def run_progress(header: codec.Header) -> int:
-    """The largest learner step in a global's merge record (0 if none is readable)."""
-    steps = [e.get("step") for e in header.extra.get("merged", []) if isinstance(e, dict)] \
-        if isinstance(header.extra.get("merged"), list) else []
-    return max((s for s in steps if isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**40), default=0)
 
 
 def default_learner_id() -> str:
