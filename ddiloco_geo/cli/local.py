@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from ddiloco_geo.cli.settings import settings_from
-from ddiloco_geo.core.errors import ConfigError
+from ddiloco_geo.core.errors import ConfigError, DdilocoError
+from ddiloco_geo.storage import open_store
 from ddiloco_geo.tools.local import LocalRun
+from ddiloco_geo.tools.sample import sample_global
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,12 +40,22 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1, default=str))
     else:
-        print_summary(summary, Path(settings.local.out))
+        print_summary(summary, Path(settings.local.out), sample=_sample(settings))
     ok = summary["deltas_unaccounted"] == 0 and summary["processes_failed"] == 0
     return 0 if ok else 1
 
 
-def print_summary(summary: dict[str, Any], out: Path) -> None:
+def _sample(settings) -> str | None:
+    """About 200 bytes the global model writes after a prompt; None if the run cannot be read."""
+    try:
+        with open_store(settings.storage) as store:
+            return sample_global(store, settings)
+    except DdilocoError as exc:
+        log.warning("sample_skipped error=%s", exc)
+        return None
+
+
+def print_summary(summary: dict[str, Any], out: Path, sample: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -62,3 +77,8 @@ def print_summary(summary: dict[str, Any], out: Path) -> None:
     for k, v in rows:
         t.add_row(k, v)
     Console().print(t)
+    if sample is not None:
+        from rich.panel import Panel
+        from rich.text import Text
+
+        Console().print(Panel(Text(sample), title="sample from the global model (top-8, seed 0)", expand=False))

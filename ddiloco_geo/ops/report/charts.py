@@ -23,15 +23,40 @@ def _plt():
     return plt
 
 
+def tokens_all_learners(histories: dict[str, list[dict[str, Any]]], at: float) -> float:
+    """Tokens every learner together had trained at wall time ``at``: each learner's own
+    (time, tokens) history, interpolated, held at its last point after it, and extrapolated back
+    to zero at its first segment's rate before it."""
+    total = 0.0
+    for hist in histories.values():
+        pts = sorted((float(h["time"]), float(h["tokens"])) for h in hist if "time" in h)
+        if not pts:
+            continue
+        (t0, n0), (t1, n1) = pts[0], pts[1] if len(pts) > 1 else pts[0]
+        if at <= t0:
+            rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+            total += max(0.0, n0 - rate * (t0 - at)) if rate > 0 else (n0 if at == t0 else 0.0)
+            continue
+        for (ta, na), (tb, nb) in zip(pts, pts[1:]):
+            if ta <= at <= tb:
+                total += na + (nb - na) * (at - ta) / (tb - ta) if tb > ta else nb
+                break
+        else:
+            total += pts[-1][1]
+    return total
+
+
 def plot_local_run(summary: dict[str, Any], path: Path) -> Path:
     plt = _plt()
 
     fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
-    for name, rec in sorted(summary.get("learners", {}).items()):
-        hist = rec.get("history") or []
+    # one x axis for every curve: tokens trained by all learners together at that moment (learner
+    # histories carry their own tokens and a wall time; the global evals carry the sum already)
+    histories = {name: rec.get("history") or [] for name, rec in summary.get("learners", {}).items()}
+    for name, hist in sorted(histories.items()):
         if hist:
-            ax_loss.plot([h["tokens"] for h in hist], [h["loss"] for h in hist], lw=1, alpha=0.8,
-                         label=f"{name} (train, local params)")
+            xs = [tokens_all_learners(histories, float(h["time"])) if "time" in h else h["tokens"] for h in hist]
+            ax_loss.plot(xs, [h["loss"] for h in hist], lw=1, alpha=0.8, label=f"{name} (train, local params)")
     evals = summary.get("global_evals") or []
     if evals:
         ax_loss.plot([e["tokens"] for e in evals], [e["loss"] for e in evals], "k-o", lw=2, ms=4,
