@@ -100,14 +100,18 @@ class Merge:
 
 def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: dict[int, dict[str, torch.Tensor]],
                 *, is_embedding: Callable[[str], bool], outer_kwargs: dict[str, Any], robust: str,
-                trim_ratio: float) -> Merge | None:
+                trim_ratio: float, anchoring: str = "current") -> Merge | None:
     """Anchor, weigh, merge and step; None when no contributor carries weight.
 
-    ``bases`` maps each contributor's base version to that global's parameters.
+    ``bases`` maps each contributor's base version to that global's parameters. ``anchoring``:
+    ``current`` (the paper's: Δ_m = Θ_current − θ_m, a stale learner pulls the global toward its
+    model) or ``base`` (Δ_m = pseudo_grad_m: a stale learner's progress is applied as it is, without
+    pulling back what others merged since its base).
     """
     anchored, weights, entries = [], [], []
     for d in contributors:
-        anchored.append(anchor(state.params, bases[d.header.base_version], d.pseudo_grad))
+        anchored.append(d.pseudo_grad if anchoring == "base" else
+                        anchor(state.params, bases[d.header.base_version], d.pseudo_grad))
         w = merge.token_weight(d.header.num_tokens, d.header.num_steps)
         weights.append(w)
         entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,

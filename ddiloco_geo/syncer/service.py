@@ -86,6 +86,7 @@ class Syncer:
         max_deltas_per_min: int = 1200,
         robust: str = "none",
         trim_ratio: float = 0.25,
+        anchoring: str = "current",
         quarantine_after: int = 20,
         idle_exit_s: float | None = None,
         drain_timeout_s: float = 60.0,
@@ -100,7 +101,7 @@ class Syncer:
         self.shard_index, self.num_shards = (int(x) for x in shard.split("/"))
         self.is_embedding = is_embedding
         self.update_codec = update_codec
-        self.robust, self.trim_ratio = robust, trim_ratio
+        self.robust, self.trim_ratio, self.anchoring = robust, trim_ratio, anchoring
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.now = now
         self.owned = [p for p in range(self.plan.num_fragments) if p % self.num_shards == self.shard_index]
@@ -231,7 +232,8 @@ class Syncer:
         for d in state.pending:
             consumed[d.learner] = max(d.seq, consumed.get(d.learner, -1))
         merged = build_merge(state, contributors, bases, is_embedding=self.is_embedding,
-                             outer_kwargs=self.outer_kwargs, robust=self.robust, trim_ratio=self.trim_ratio)
+                             outer_kwargs=self.outer_kwargs, robust=self.robust, trim_ratio=self.trim_ratio,
+                             anchoring=self.anchoring)
         if merged is None:
             state.pending.clear()
             state.consumed = consumed
@@ -243,7 +245,7 @@ class Syncer:
             "contributors": len({e["learner"] for e in entries}), "grace_s": grace,
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
             "outer": self.outer_kwargs, "update_codec": self.update_codec,
-            "robust": self.robust, "trim_ratio": self.trim_ratio,
+            "robust": self.robust, "trim_ratio": self.trim_ratio, "anchoring": self.anchoring,
         }
         won = self._publish(state, merged.params, merged.outer, record, consumed, merged.clock)
         if won:
