@@ -71,6 +71,7 @@ def print_summary(summary: dict[str, Any], out: Path, sample: str | None = None)
         ("bytes up / down", f"{summary['bytes_up'] / 2**20:.1f} MiB / {summary['bytes_down'] / 2**20:.1f} MiB"),
         ("data-parallel all-reduce would move", f"{summary['dp_allreduce_bytes'] / 2**20:.1f} MiB"
          + (f" ({ratio:.1f}x more)" if ratio else "")),
+        ("unverified objects ignored", _skipped(summary)),
         ("wall time", f"{summary['wall_s']:.0f} s"),
         ("written", f"{out / 'summary.json'}, {out / 'training.png'}"),
     ]
@@ -82,3 +83,15 @@ def print_summary(summary: dict[str, Any], out: Path, sample: str | None = None)
         from rich.text import Text
 
         Console().print(Panel(Text(sample), title="sample from the global model (top-8, seed 0)", expand=False))
+
+
+def _skipped(summary: dict[str, Any]) -> str:
+    """What the final evaluation and the ledger refused to read (forged or unsigned objects)."""
+    parts = []
+    for where, skipped in (summary.get("skipped_unverified") or {}).items():
+        for kind, n in sorted(((skipped or {}).get("by_kind") or {}).items()):
+            parts.append(f"{where}: {n} {kind}")
+    junk = summary.get("junk_keys") or 0
+    if junk:
+        parts.append(f"{junk} junk keys under learners/")
+    return ", ".join(parts) or "none"

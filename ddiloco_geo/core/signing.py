@@ -269,3 +269,12 @@ def learner_keys(security, learner_id: str) -> tuple[Signer | None, Verifier | N
     own_key, own_id = derive_key(secret, "learner", learner_id), key_id("learner", learner_id)
     return (signer_for(secret, "learner", learner_id), syncer_verifier(derive_key(secret, "syncer")),
             Verifier(lambda kid: own_key if kid == own_id else None))
+
+
+def tool_keys(security) -> tuple[Verifier | None, bool]:
+    """For operator tools (status, report, export, replay, snapshot, local's evaluation): a verifier
+    of every key and whether signatures are required; (None, False) in an unsigned run."""
+    secret = _secret_or_none(security)
+    if secret is None:
+        return None, False
+    return run_verifier(secret), security.required()

@@ -95,8 +95,9 @@ class StoredState:
         return int(self.header.extra.get("outer_num_steps", 0))
 
 
-def read_state(store: Store, spec: protocol.RunSpec, key: str) -> StoredState:
-    header, tensors = codec.decode(store.get(key), kind="state", run_id=spec.run_id)
+def read_state(store: Store, spec: protocol.RunSpec, key: str, verifier=None, require: bool = False) -> StoredState:
+    header, tensors = codec.decode(store.get(key), kind="state", run_id=spec.run_id, verify=verifier,
+                                   require_signature=require, expected_signer="syncer" if verifier is not None else None)
     residual = {k[len(RESIDUAL):]: v for k, v in tensors.items() if k.startswith(RESIDUAL)}
     momentum = {k: v for k, v in tensors.items() if not k.startswith(RESIDUAL)}
     return StoredState(key, header, momentum, residual)
@@ -129,8 +130,10 @@ class Replayer:
     def __init__(self, store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any],
                  is_embedding: Callable[[str], bool], initial_params: dict[str, torch.Tensor] | None,
                  update_codec: str | None = None,
-                 progress: Callable[[int, int, int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int, int, int], None] | None = None, verifier=None,
+                 require_signatures: bool = False) -> None:
         self.store = store
+        self.verifier, self.require_signatures = verifier, require_signatures
         self.spec = spec
         self.outer_kwargs = dict(outer_kwargs)
         self.is_embedding = is_embedding
@@ -150,13 +153,15 @@ class Replayer:
 
     def _global(self, p: int, v: int) -> tuple[codec.Header, dict[str, torch.Tensor]]:
         return self._read(p, v, f"global {layout.global_key(p, v)}",
-                          lambda: protocol.read_global(self.store, self.spec, p, v))
+                          lambda: protocol.read_global(self.store, self.spec, p, v, verify=self.verifier,
+                                                       require_signature=self.require_signatures))
 
     def _state(self, p: int, v: int, header: codec.Header) -> StoredState:
         key = header.extra.get("state_key")
         if not key:
             raise Divergence(p, v, "record", f"global {p}/{v} names no state object")
-        state = self._read(p, v, f"state {key}", lambda: read_state(self.store, self.spec, key))
+        state = self._read(p, v, f"state {key}", lambda: read_state(self.store, self.spec, key, self.verifier,
+                                                                             self.require_signatures))
         if state.header.fragment != p or state.header.version != v:
             raise Divergence(p, v, "record", f"state {key} claims {state.header.fragment}/{state.header.version}")
         return state
@@ -215,7 +220,8 @@ class Replayer:
     def _params_at(self, p: int, v: int, base: int, cache: OrderedDict) -> dict[str, torch.Tensor]:
         if base in cache:
             return cache[base]
-        _, params = self._read(p, v, f"base version {base}", lambda: protocol.read_global(self.store, self.spec, p, base))
+        _, params = self._read(p, v, f"base version {base}", lambda: protocol.read_global(
+            self.store, self.spec, p, base, verify=self.verifier, require_signature=self.require_signatures))
         return params
 
     def _recompute_merge(self, p: int, v: int, params: dict[str, torch.Tensor], state: StoredState,
@@ -243,7 +249,9 @@ class Replayer:
             if w != e.get("weight"):
                 raise Divergence(p, v, "weight", f"delta {key}: recorded weight {e.get('weight')!r}, recomputed {w!r}")
             base = self._params_at(p, v, d_header.base_version, cache)
-            anchored.append(anchor(params, base, pg))
+            if isinstance(e.get("clip"), float):  # the merge guard scaled this contributor down
+                pg = {n: t * e["clip"] for n, t in pg.items()}
+            anchored.append(pg if rec.get("anchoring") == "base" else anchor(params, base, pg))
             weights.append(w)
         okw = {**self.outer_kwargs, **(rec.get("outer") or {})}
         outer = OuterOptimizer(**okw)
@@ -323,8 +331,10 @@ def environment() -> dict[str, Any]:
 
 def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any], fragments: list[int] | None = None,
            initial_params: dict[str, torch.Tensor] | None = None, update_codec: str | None = "int4",
-           progress: Callable | None = None) -> dict[str, Any]:
-    """Check every published version of ``fragments`` (default: all); returns the JSON result."""
+           progress: Callable | None = None, verifier=None, require_signatures: bool = False) -> dict[str, Any]:
+    """Check every published version of ``fragments`` (default: all); returns the JSON result. With
+    ``verifier`` only syncer-signed versions are replayed: a forged one is left out and counted
+    (``skipped_unverified``); the chain then has a gap, reported as a missing version."""
     patterns = spec.model.get("embedding_patterns") or ["wte", "wpe", "embed", "lm_head"]
     if initial_params is None:
         initial_params = initial_weights(spec)
@@ -332,10 +342,12 @@ def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any]
     for p in todo:
         if not 0 <= p < spec.plan.num_fragments:
             raise DdilocoError(f"fragment {p} is not in the run's plan (0..{spec.plan.num_fragments - 1})")
-    versions = {p: protocol.list_versions(store, p) for p in todo}
+    skipped = protocol.Skipped()
+    versions = {p: _verified_versions(store, p, verifier, skipped) for p in todo}
     total = sum(len(v) for v in versions.values())
     r = Replayer(store, spec, outer_kwargs=outer_kwargs, is_embedding=lambda n: is_embedding(n, patterns),
-                 initial_params=initial_params, update_codec=update_codec, progress=progress)
+                 initial_params=initial_params, update_codec=update_codec, progress=progress,
+                 verifier=verifier, require_signatures=require_signatures)
     divergences = []
     done = 0
     for p in todo:
@@ -355,8 +367,22 @@ def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any]
         "divergences": divergences,
         "roots": {str(p): v for p, v in r.roots.items()},
         "outer": outer_kwargs,
+        "skipped_unverified": skipped.as_dict(),
         **environment(),
     }
+
+
+def _verified_versions(store: Store, p: int, verifier, skipped) -> list[int]:
+    if verifier is None:
+        return protocol.list_versions(store, p)
+    out = []
+    for v in protocol.list_versions(store, p):
+        try:
+            protocol.verified_header(store, layout.global_key(p, v), verifier, "syncer")
+            out.append(v)
+        except (CodecError, NotFoundError) as exc:
+            skipped.add("global", layout.global_key(p, v), getattr(exc, "reason", str(exc)))
+    return out
 
 
 def initial_weights(spec: protocol.RunSpec) -> dict[str, torch.Tensor]:

@@ -92,7 +92,7 @@ def _rejected_keys(store: Store) -> set[str]:
 
 
 def take_snapshot(store: Store, spec: protocol.RunSpec, snapshot_id: str | None = None,
-                  now: float | None = None) -> dict[str, Any]:
+                  now: float | None = None, verifier=None) -> dict[str, Any]:
     """Build and write the manifest (create-only); return it. SnapshotError if the id exists."""
     now = time.time() if now is None else now
     snapshot_id = layout.check_id(snapshot_id or default_snapshot_id(now), "snapshot id")
@@ -116,13 +116,12 @@ def take_snapshot(store: Store, spec: protocol.RunSpec, snapshot_id: str | None 
         versions = protocol.list_versions(store, p)
         if not versions:
             raise SnapshotError(f"fragment {p} has no published version yet: start the syncer first")
-        v = max(versions)
+        v, header = _newest_verified(store, p, versions, verifier)
         gkey = layout.global_key(p, v)
-        header = protocol.read_header(store, gkey)
         state_key = header.extra.get("state_key")
         consumed: dict[str, int] = {}
         if state_key:
-            st = protocol.read_header(store, state_key)
+            st = protocol.verified_header(store, state_key, verifier, "syncer")
             consumed = {str(k): int(x) for k, x in st.extra.get("consumed", {}).items()}
         consumed_by[p] = consumed
         frontier = frontier.merge(header.clock)
@@ -310,20 +309,36 @@ def rollback(store: Store, manifest: dict[str, Any], *, force: bool = False,
             "unchanged": unchanged, "forced": bool(active and force)}
 
 
+def _newest_verified(store: Store, p: int, versions: list[int], verifier) -> tuple[int, Any]:
+    """The newest version whose header the syncer signed (with ``verifier``); forged ones skipped."""
+    for v in sorted(versions, reverse=True):
+        try:
+            return v, protocol.verified_header(store, layout.global_key(p, v), verifier, "syncer")
+        except (CodecError, NotFoundError) as exc:
+            log.warning("snapshot_version_skipped key=%r reason=%s", layout.global_key(p, v), exc)
+    raise SnapshotError(f"fragment {p} has no verified version: check security.run_secret")
+
+
 # --- export --------------------------------------------------------------------------------------
 
 
-def export_model(store: Store, out: str, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write the global model to ``out`` (atomically); returns what was written."""
+def export_model(store: Store, out: str, manifest: dict[str, Any] | None = None, verifier=None,
+                 require_signatures: bool = False) -> dict[str, Any]:
+    """Write the global model to ``out`` (atomically); returns what was written. With ``verifier``
+    only syncer-signed globals: the newest that verifies per fragment (forged newer ones are skipped
+    and counted in ``skipped_unverified``), or the snapshot's, which must verify."""
     spec = protocol.load_spec(store)
+    skipped = protocol.Skipped()
     if manifest is None:
-        params, versions = protocol.read_global_params(store, spec)
+        found = protocol.global_model(store, spec, verifier, require_signatures)
+        params, versions, skipped = found.params, found.versions, found.skipped
     else:
         _check_run(manifest, spec)
         versions = snapshot_versions(manifest)
         params = {}
         for p, v in sorted(versions.items()):
-            params.update(protocol.read_global(store, spec, p, v)[1])
+            params.update(protocol.read_global(store, spec, p, v, verify=verifier,
+                                               require_signature=require_signatures)[1])
     tensors = {n: t.detach().to(torch.float32).contiguous() for n, t in sorted(params.items())}
     metadata = {
         "format": "ddiloco-geo-export-1",
@@ -346,4 +361,5 @@ def export_model(store: Store, out: str, manifest: dict[str, Any] | None = None)
         raise
     return {"out": out, "run_id": spec.run_id, "versions": {str(p): v for p, v in sorted(versions.items())},
             "tensors": len(tensors), "parameters": int(sum(t.numel() for t in tensors.values())),
-            "bytes": os.path.getsize(out), "snapshot": metadata["snapshot"] or None}
+            "bytes": os.path.getsize(out), "snapshot": metadata["snapshot"] or None,
+            "skipped_unverified": skipped.as_dict()}

@@ -42,15 +42,28 @@ def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
     holding the previous version rebuilds it bit for bit (checked against the global's checksum);
     what quantization dropped is carried into the next update. Returns (wire bytes, published
     params, new residual).
+
+    What is sent is taken from a decode of the encoded change, so it is by construction what a
+    learner decodes. The object is then encoded a second time, with ``global_checksum`` in its
+    header: the codec has no way to add a header field to bytes it has already produced (the
+    quantized payload of both encodes is the same; see docs/benchmarks.md, syncer). Element-wise
+    work runs as ``torch._foreach_*`` ops over the fragment's tensors, and the change's buffers
+    become the new residual in place.
     """
-    change = {n: new[n] - old[n] + residual.get(n, 0.0) for n in new}
-    wire = codec.encode(change, header, codec=codec_name, block_size=block_size)
-    _, sent = codec.decode(wire, kind="update", run_id=header.run_id)
-    published = {n: old[n] + sent[n] for n in old}
-    new_residual = {n: change[n] - sent[n] for n in old}
+    names = list(new)
+    change = torch._foreach_sub([new[n] for n in names], [old[n] for n in names])
+    carried = [i for i, n in enumerate(names) if n in residual]
+    if carried:
+        torch._foreach_add_([change[i] for i in carried], [residual[names[i]] for i in carried])
+    change_by_name = dict(zip(names, change))
+    wire = codec.encode(change_by_name, header, codec=codec_name, block_size=block_size)
+    _, sent_by_name = codec.decode(wire, kind="update", run_id=header.run_id)
+    sent = [sent_by_name[n] for n in names]
+    published = dict(zip(names, torch._foreach_add([old[n] for n in names], sent)))
     header.extra = {**header.extra, "global_checksum": codec.checksum_of(published)}
-    return (codec.encode(change, header, codec=codec_name, block_size=block_size, signer=signer),
-            published, new_residual)
+    wire = codec.encode(change_by_name, header, codec=codec_name, block_size=block_size, signer=signer)
+    torch._foreach_sub_(change, sent)  # what was not sent: the next update's residual
+    return wire, published, change_by_name
 
 
 def commit_version(store: Store, *, run_id: str, fragment: int, version: int, params: dict[str, torch.Tensor],

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 SYNCER_SIGNER = "syncer"
 MAX_RECORD_BYTES = 4 * 2**20  # heartbeats and exit records (with history) are far smaller
-MAX_TEXT = 200  # longest string field a tool shows
+MAX_TEXT = 300  # longest string field a tool shows
 
 
 @dataclass
@@ -210,6 +210,8 @@ def clean_learner_record(rec: dict[str, Any]) -> dict[str, Any]:
         "storage": _storage(rec.get("storage")),
         "history": [h for h in history[:100_000] if isinstance(h, dict)],
         "signer": _text(rec.get("signer")),
+        "checkpoint": _text(rec.get("checkpoint")), "resumed_from": _text(rec.get("resumed_from")),
+        "flushed": rec.get("flushed") if isinstance(rec.get("flushed"), (bool, int)) else None,
     }
 
 

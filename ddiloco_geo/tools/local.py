@@ -29,12 +29,13 @@ from typing import Any
 from ddiloco_geo import protocol
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.config import Settings
-from ddiloco_geo.core.errors import ConfigError, DdilocoError, NotFoundError
+from ddiloco_geo.core.errors import ConfigError, DdilocoError
 from ddiloco_geo.ops.report import plot_local_run
 from ddiloco_geo.ops.status import LiveView
 from ddiloco_geo.protocol import RunSpec
 from ddiloco_geo.storage import Store, open_store
 from ddiloco_geo.tools import processes
+from ddiloco_geo.core.signing import tool_keys
 from ddiloco_geo.tools.evaluate import Evaluator
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class LocalRun:
         self.procs: dict[str, processes.Child] = {}
         self.exit_codes: dict[str, int] = {}
         self.global_evals: list[dict[str, float]] = []
+        self.verifier = None  # set from settings.security in run(): what tools read must be signed
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -98,6 +100,7 @@ class LocalRun:
         for i in range(M):
             self._spawn(f"learner-{i}", ["learner", "--id", f"learner-{i}", "--shard", f"{i}/{M}"])
         store = open_store(s.storage)
+        self.verifier, _ = tool_keys(s.security)
         try:
             evaluator = Evaluator.from_settings(s)
             initial = evaluator.initial()
@@ -110,6 +113,7 @@ class LocalRun:
             tokens = self._tokens(store)
             self.global_evals.append({"time": time.time() - started, "tokens": tokens, "loss": final})
             summary = self._summary(store, spec, initial, final, versions, started)
+            summary["skipped_unverified"] = {"final_eval": evaluator.last_skipped, "ledger": summary.pop("_ledger_skipped")}
         finally:
             self._terminate_all()
             store.close()
@@ -126,7 +130,7 @@ class LocalRun:
         return [n for n in self.procs if n.startswith("learner-")]
 
     def _watch(self, store: Store, evaluator: Evaluator, started: float) -> None:
-        view = LiveView(store, live=self.live)
+        view = LiveView(store, live=self.live, verifier=self.verifier)
         last_eval = time.monotonic()
         with view:
             while True:
@@ -157,12 +161,9 @@ class LocalRun:
     def _tokens(self, store: Store) -> int:
         total = 0
         for name in self._learner_names():
-            for key in (layout.exit_key(name), layout.heartbeat_key(name)):
-                try:
-                    total += int(json.loads(store.get(key)).get("tokens", 0))
-                    break
-                except (NotFoundError, ValueError):
-                    continue
+            rec = (protocol.exit_record(store, name, self.verifier)
+                   or protocol.heartbeat(store, name, self.verifier) or {})
+            total += rec.get("tokens") or 0
         return total
 
     def _stop_syncer(self) -> None:
@@ -178,31 +179,25 @@ class LocalRun:
 
     def _summary(self, store: Store, spec: RunSpec, initial: float, final: float, versions: dict[int, int],
                  started: float) -> dict[str, Any]:
-        led = protocol.ledger(store)
+        led = protocol.ledger(store, self.verifier)
         learners = {}
         bytes_up = bytes_down = 0
         steps_total = 0
         for name in self._learner_names():
-            try:
-                rec = json.loads(store.get(layout.exit_key(name)))
-            except NotFoundError:
-                rec = {}
-            st = rec.get("storage", {})
+            rec = protocol.exit_record(store, name, self.verifier) or {}
+            st = rec.get("storage") or {}
             bytes_up += int(st.get("bytes_up", 0))
             bytes_down += int(st.get("bytes_down", 0))
-            steps_total += int(rec.get("step", 0))
+            steps_total += rec.get("step") or 0
             learners[name] = {
-                "tokens": rec.get("tokens", 0), "steps": rec.get("step", 0), "final_loss": rec.get("loss"),
-                "tokens_per_s": rec.get("tokens_per_s"), "deltas_sent": rec.get("uploads", {}).get("deltas_sent", 0),
+                "tokens": rec.get("tokens") or 0, "steps": rec.get("step") or 0, "final_loss": rec.get("loss"),
+                "tokens_per_s": rec.get("tokens_per_s"), "deltas_sent": (rec.get("uploads") or {}).get("deltas_sent") or 0,
                 "exit_code": self.exit_codes.get(name), "history": rec.get("history", []),
                 "bytes_up": st.get("bytes_up", 0), "bytes_down": st.get("bytes_down", 0),
             }
-        syncer_status = {}
-        try:
-            syncer_status = json.loads(store.get(layout.syncer_status_key(0, 1)))
-        except (NotFoundError, ValueError):
-            pass
-        sst = syncer_status.get("storage", {})
+        syncer_status = protocol.syncer_status(store, layout.syncer_status_key(0, 1), self.verifier) or {}
+        sst = syncer_status.get("storage") if isinstance(syncer_status.get("storage"), dict) else {}
+        sst = {k: v for k, v in sst.items() if isinstance(v, int) and not isinstance(v, bool)}
         num_params = sum(spec.plan.numel(p) for p in range(spec.plan.num_fragments))
         M = len(learners)
         # what a ring all-reduce of fp32 gradients every step would have moved for the same steps
@@ -229,4 +224,5 @@ class LocalRun:
             "merges": led["merges"],
             "global_evals": self.global_evals,
             "processes_failed": failed, "exit_codes": self.exit_codes,
+            "_ledger_skipped": led["skipped_unverified"], "junk_keys": led["junk_keys"],
         }

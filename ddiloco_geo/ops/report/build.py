@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco_geo import protocol
+from ddiloco_geo.core.signing import tool_keys
 from ddiloco_geo.ops.report.charts import CHARTS, PLOTTERS
 from ddiloco_geo.ops.report.collect import collect
 from ddiloco_geo.ops.report.evaluate import PastEvaluator, evaluate_over_time
@@ -25,14 +26,15 @@ def build_report(store, settings, out: Path, *, eval_points: int = 7, eval_batch
     """Read the run, evaluate the global model over time, draw the charts and write the page;
     ``settings`` supplies the eval data (``data.*``, ``learner.batch_size``)."""
     t_start = time.monotonic()
-    summary = collect(store, max_delta_headers=max_delta_headers)
+    verifier, required = tool_keys(settings.security)
+    summary = collect(store, max_delta_headers=max_delta_headers, verifier=verifier)
     log.info("report_collected run=%s state=%s learners=%d merges=%d read_s=%.1f", summary["run_id"], summary["state"],
              summary["num_learners"], summary["merge_stats"]["count"], time.monotonic() - t_start)
     summary["global_evals"] = []
     if eval_points > 0:
         spec = protocol.load_spec(store)
         evaluator = PastEvaluator(settings, spec, eval_batches)
-        summary["global_evals"] = evaluate_over_time(store, summary, evaluator, eval_points)
+        summary["global_evals"] = evaluate_over_time(store, summary, evaluator, eval_points, verifier, required)
         summary["eval_batches"] = len(evaluator.batches)
     evals = summary["global_evals"]
     summary["initial_eval_loss"] = evals[0]["loss"] if evals else None

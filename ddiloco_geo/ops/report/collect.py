@@ -21,20 +21,22 @@ from typing import Any
 from ddiloco_geo import protocol
 from ddiloco_geo.core import layout
 from ddiloco_geo.ops.report.learners import learner_history, throughput_rates
-from ddiloco_geo.ops.status import SILENT_AFTER_S, read_record
+from ddiloco_geo.ops.status import SILENT_AFTER_S
 
 # the ledger's fields the report shows (the rest of protocol.ledger is in ``merges``/``versions_published``)
 LEDGER_FIELDS = ("deltas_written", "deltas_merged", "deltas_superseded", "deltas_rejected", "rejected_by_reason",
                  "deltas_unaccounted", "unaccounted_keys")
 
 
-def collect(store, *, max_delta_headers: int = 4000) -> dict[str, Any]:
-    """Everything the report shows except the evaluation, as one JSON-able dict (reads only)."""
+def collect(store, *, max_delta_headers: int = 4000, verifier=None) -> dict[str, Any]:
+    """Everything the report shows except the evaluation, as one JSON-able dict (reads only); with
+    ``verifier`` only signed records (the rest counted in ``skipped_unverified``)."""
     now = time.time()
+    skipped = protocol.Skipped()
     spec = protocol.load_spec(store)
     P = spec.plan.num_fragments
     num_params = sum(spec.plan.numel(p) for p in range(P))
-    records = protocol.merge_records(store)
+    records = protocol.merge_records(store, verifier, skipped)
     published = [r for r in records if isinstance(r.get("published_at"), (int, float))]
     inits = [float(r["published_at"]) for r in published if r.get("kind") == "init"]
     t0 = max(inits) if len(inits) >= P else min((float(r["published_at"]) for r in published), default=now)
@@ -50,14 +52,14 @@ def collect(store, *, max_delta_headers: int = 4000) -> dict[str, Any]:
             accounted_at.setdefault(k, float(r["published_at"]))
     rejected = []
     for key in store.list(layout.SYNCER + "rejected/"):
-        rec = read_record(store, key)
-        if rec and "key" in rec:
+        rec = protocol.read_record(store, key, verifier, "syncer", skipped, "reject_record")
+        if rec and isinstance(rec.get("key"), str) and isinstance(rec.get("at", 0), (int, float)):
             rejected.append(rec)
             accounted_at.setdefault(rec["key"], float(rec.get("at") or now))
 
     merge_rows = [_merge_row(r, t0) for r in merges]
     events: list[dict[str, Any]] = []
-    learners = {name: learner_history(store, name, t0, now, accounted_at, events, max_delta_headers)
+    learners = {name: learner_history(store, name, t0, now, accounted_at, events, max_delta_headers, verifier, skipped)
                 for name in protocol.learner_ids(store)[0]}
     for name, rec in learners.items():
         rec.update(_merged_throughput(name, merges, t0, P))
@@ -66,10 +68,10 @@ def collect(store, *, max_delta_headers: int = 4000) -> dict[str, Any]:
                        "detail": f"{rec.get('reason')} ({rec['key'].rsplit('/', 1)[-1]})"})
     events.sort(key=lambda e: (e["time"], e["learner"] or "", e["kind"]))
 
-    syncers = _syncers(store, now)
+    syncers = _syncers(store, now, verifier, skipped)
     M = len(learners)
     steps_total = sum(int(l["steps"] or 0) for l in learners.values())
-    ledger = protocol.ledger(store)
+    ledger = protocol.ledger(store, verifier)
     live = any(l["state"] == "alive" for l in learners.values()) or any(
         s["age_s"] < SILENT_AFTER_S and not s.get("draining") for s in syncers)
     last_event = max([float(r["published_at"]) for r in published] + [now - l["last_seen_s"] for l in learners.values()
@@ -97,6 +99,7 @@ def collect(store, *, max_delta_headers: int = 4000) -> dict[str, Any]:
         "bytes": _bytes(learners, syncers, num_params, steps_total),
         "ledger": {k: ledger[k] for k in LEDGER_FIELDS},
         "learners": learners, "syncers": syncers, "events": events,
+        "skipped_unverified": skipped.as_dict(), "junk_keys": ledger["junk_keys"],
     }
 
 
@@ -126,13 +129,14 @@ def _merged_throughput(name: str, merges: list[dict[str, Any]], t0: float, P: in
             "throughput_merged": throughput_rates(series, bins=max(3, min(12, entries // max(1, P))))}
 
 
-def _syncers(store, now: float) -> list[dict[str, Any]]:
+def _syncers(store, now: float, verifier=None, skipped=None) -> list[dict[str, Any]]:
     syncers = []
     for key in store.list(layout.SYNCER + "status/"):
-        st = read_record(store, key)
+        st = protocol.syncer_status(store, key, verifier, skipped)
         if st:
-            syncers.append({"shard": st.get("shard"), "age_s": now - float(st.get("time", now)),
-                            "counters": st.get("counters"), "storage": st.get("storage") or {},
+            syncers.append({"shard": st.get("shard"), "age_s": now - (st["time"] if st["time"] is not None else now),
+                            "counters": st.get("counters"),
+                            "storage": st["storage"] if isinstance(st.get("storage"), dict) else {},
                             "draining": st.get("draining")})
     return syncers
 

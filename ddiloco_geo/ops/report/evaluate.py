@@ -34,12 +34,14 @@ class PastEvaluator:
         return data.evaluate(self.model, self.batches)
 
 
-def evaluate_over_time(store, summary: dict[str, Any], evaluator: PastEvaluator, points: int) -> list[dict[str, Any]]:
-    """Global eval loss at ``points`` instants spread from the first global to the last merge."""
+def evaluate_over_time(store, summary: dict[str, Any], evaluator: PastEvaluator, points: int, verifier=None,
+                       require: bool = False) -> list[dict[str, Any]]:
+    """Global eval loss at ``points`` instants spread from the first global to the last merge; with
+    ``verifier`` only syncer-signed merge records and globals are read."""
     spec = protocol.load_spec(store)
     P = spec.plan.num_fragments
     published: dict[int, list[tuple[float, int]]] = {p: [] for p in range(P)}
-    for r in protocol.merge_records(store):
+    for r in protocol.merge_records(store, verifier):
         if isinstance(r.get("published_at"), (int, float)):
             published[int(r["fragment"])].append((float(r["published_at"]) - summary["start_time"], int(r["version"])))
     for p in published:
@@ -64,7 +66,7 @@ def evaluate_over_time(store, summary: dict[str, Any], evaluator: PastEvaluator,
             versions[p] = max(ok) if ok else min((v for _, v in published[p]), default=0)
         for p, v in versions.items():
             if held.get(p) != v:
-                _, tensors = protocol.read_global(store, spec, p, v)
+                _, tensors = protocol.read_global(store, spec, p, v, verify=verifier, require_signature=require)
                 params.update(tensors)
                 held[p] = v
         sig = tuple(versions[p] for p in range(P))

@@ -19,19 +19,20 @@ from typing import Any
 from ddiloco_geo import protocol
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import CodecError, StorageError
-from ddiloco_geo.ops.status import SILENT_AFTER_S, read_record
+from ddiloco_geo.ops.status import SILENT_AFTER_S
 
 log = logging.getLogger(__name__)
 
 FINISHED_REASONS = ("max_steps", "max_time")
 
 
-def read_headers(store, keys_: list[str], workers: int = 16) -> dict[str, Any]:
-    """Headers of tensor objects (two ranged reads each), in parallel; unreadable ones are skipped."""
+def read_headers(store, keys_: list[str], workers: int = 16, verifier=None, signer: str = "") -> dict[str, Any]:
+    """Headers of tensor objects (two ranged reads each), in parallel; unreadable ones (and, with
+    ``verifier``, ones ``signer`` did not sign) are skipped."""
 
     def one(key: str):
         try:
-            return key, protocol.read_header(store, key)
+            return key, protocol.verified_header(store, key, verifier, signer)
         except (CodecError, StorageError) as exc:
             log.debug("report_header_unreadable key=%s error=%s", key, exc)
             return key, None
@@ -43,11 +44,11 @@ def read_headers(store, keys_: list[str], workers: int = 16) -> dict[str, Any]:
 
 
 def learner_history(store, name: str, t0: float, now: float, accounted_at: dict[str, float], events: list,
-                    max_delta_headers: int) -> dict[str, Any]:
+                    max_delta_headers: int, verifier=None, skipped=None) -> dict[str, Any]:
     """The learner's row of the report (state, counters, incarnations, throughput); ``accounted_at``
     maps a delta key to the publish time of the merge (or rejection) that accounted it."""
-    hb = read_record(store, layout.heartbeat_key(name)) or {}
-    ex = read_record(store, layout.exit_key(name))
+    hb = protocol.heartbeat(store, name, verifier, skipped) or {}
+    ex = protocol.exit_record(store, name, verifier, skipped)
     hb_time = float(hb["time"]) if isinstance(hb.get("time"), (int, float)) else None
     ex_time = float(ex["time"]) if ex and isinstance(ex.get("time"), (int, float)) else None
     # an exit record older than the heartbeat of a later incarnation does not end the learner
@@ -65,9 +66,10 @@ def learner_history(store, name: str, t0: float, now: float, accounted_at: dict[
 
     # deltas (headers, bounded) and checkpoints
     delta_keys = store.list(layout.deltas_dir(name))
-    headers = read_headers(store, delta_keys) if len(delta_keys) <= max_delta_headers else {}
+    signer = f"learner:{name}"
+    headers = read_headers(store, delta_keys, verifier=verifier, signer=signer) if len(delta_keys) <= max_delta_headers else {}
     ckpt_keys = store.list(layout.checkpoints_dir(name))
-    ckpts = read_headers(store, ckpt_keys)
+    ckpts = read_headers(store, ckpt_keys, verifier=verifier, signer=signer)
     # (step, seq) of each checkpoint: seq is the writer's next delta sequence number, so it lies
     # between the writing incarnation's first delta and the resuming incarnation's first delta
     ckpt_marks = sorted((int(h.num_steps), int(h.seq)) for h in ckpts.values())
