@@ -148,6 +148,9 @@ class SyncerConfig(Section):
     merge_spacing: float = Field(1.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
     robust: Literal["none", "trimmed_mean", "median"] = Field("none", description="for untrusted learners: a coordinate-wise robust average instead of token-weighted RDA")
     trim_ratio: float = Field(0.25, ge=0, lt=0.5, description="share of values dropped at each end per coordinate by robust='trimmed_mean'")
+    clip_ratio: float | None = Field(4.0, gt=1, description="merge guard: a contributor whose per-step norm exceeds "
+                                     "this multiple of the fragment's reference is scaled down to it (recorded as 'clip' "
+                                     "in the merge record, counted in status); None turns the guard off")
     anchoring: Literal["current", "base"] = Field("current", description="'current': a delta counts as the pull "
                                                   "Θ_current − θ_learner (the paper's anchoring); 'base': as the learner's own "
                                                   "progress Θ_base − θ_learner, applied to the current global")

@@ -22,6 +22,7 @@ average; then one outer step (:func:`ddiloco_geo.core.outer.merge_and_step`). Pu
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -78,6 +79,21 @@ def learner_step(header) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2**40 else None
 
 
+def clip_factor(state: FragmentState, d: PendingDelta, clip_ratio: float | None) -> float:
+    """The merge guard: a contributor whose per-step norm exceeds ``clip_ratio`` times the fragment's
+    reference (the median over learners of each learner's recent per-step norms, as intake keeps
+    them) is scaled down to it, so no single delta (a learner restarted at full learning rate while
+    the others are at the end of their schedule, a bad batch) can move the global much more than an
+    ordinary merge. 1.0 when there is no reference yet (fewer than 8 norms) or no guard."""
+    if not clip_ratio or sum(len(h) for h in state.norms.values()) < 8:
+        return 1.0
+    reference = statistics.median(statistics.median(h) for h in state.norms.values() if h)
+    norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in d.pseudo_grad.values()))) / max(1, d.header.num_steps)
+    if reference <= 0 or norm <= clip_ratio * reference:
+        return 1.0
+    return clip_ratio * reference / norm
+
+
 def select_contributors(pending: list[PendingDelta]) -> tuple[list[PendingDelta], list[PendingDelta]]:
     """(contributors, superseded): the newest delta per (learner, base version)."""
     newest: dict[tuple[str, int], PendingDelta] = {}
@@ -100,23 +116,25 @@ class Merge:
 
 def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: dict[int, dict[str, torch.Tensor]],
                 *, is_embedding: Callable[[str], bool], outer_kwargs: dict[str, Any], robust: str,
-                trim_ratio: float, anchoring: str = "current") -> Merge | None:
+                trim_ratio: float, anchoring: str = "current", clip_ratio: float | None = None) -> Merge | None:
     """Anchor, weigh, merge and step; None when no contributor carries weight.
 
     ``bases`` maps each contributor's base version to that global's parameters. ``anchoring``:
     ``current`` (the paper's: Δ_m = Θ_current − θ_m, a stale learner pulls the global toward its
     model) or ``base`` (Δ_m = pseudo_grad_m: a stale learner's progress is applied as it is, without
-    pulling back what others merged since its base).
+    pulling back what others merged since its base). ``clip_ratio``: the merge guard, see
+    :func:`clip_factor`; a clipped contributor's entry records the factor (``clip``).
     """
     anchored, weights, entries = [], [], []
     for d in contributors:
-        anchored.append(d.pseudo_grad if anchoring == "base" else
-                        anchor(state.params, bases[d.header.base_version], d.pseudo_grad))
+        factor = clip_factor(state, d, clip_ratio)
+        pg = d.pseudo_grad if factor == 1.0 else {n: t * factor for n, t in d.pseudo_grad.items()}
+        anchored.append(pg if anchoring == "base" else anchor(state.params, bases[d.header.base_version], pg))
         w = merge.token_weight(d.header.num_tokens, d.header.num_steps)
         weights.append(w)
         entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
                         "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w,
-                        "step": learner_step(d.header)})
+                        "step": learner_step(d.header), **({"clip": factor} if factor < 1.0 else {})})
     if not anchored or sum(weights) <= 0:
         return None
     params, outer = merge_and_step(state.params, state.outer, anchored, weights, is_embedding,

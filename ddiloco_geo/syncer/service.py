@@ -87,6 +87,7 @@ class Syncer:
         robust: str = "none",
         trim_ratio: float = 0.25,
         anchoring: str = "current",
+        clip_ratio: float | None = 4.0,
         quarantine_after: int = 20,
         idle_exit_s: float | None = None,
         drain_timeout_s: float = 60.0,
@@ -101,7 +102,7 @@ class Syncer:
         self.shard_index, self.num_shards = (int(x) for x in shard.split("/"))
         self.is_embedding = is_embedding
         self.update_codec = update_codec
-        self.robust, self.trim_ratio, self.anchoring = robust, trim_ratio, anchoring
+        self.robust, self.trim_ratio, self.anchoring, self.clip_ratio = robust, trim_ratio, anchoring, clip_ratio
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.now = now
         self.owned = [p for p in range(self.plan.num_fragments) if p % self.num_shards == self.shard_index]
@@ -112,7 +113,7 @@ class Syncer:
         self.counters: dict[str, Any] = {
             "deltas_seen": 0, "deltas_merged": 0, "deltas_superseded": 0, "deltas_rejected": 0,
             "rejected_by_reason": defaultdict(int), "versions_published": 0, "publish_races_lost": 0,
-            "merges": 0, "contributors_total": 0, "grace_s_total": 0.0,
+            "merges": 0, "contributors_total": 0, "grace_s_total": 0.0, "contributions_clipped": 0,
         }
         self.last_merge: dict[int, dict[str, Any]] = {}
         self.registry = Registry()
@@ -233,7 +234,7 @@ class Syncer:
             consumed[d.learner] = max(d.seq, consumed.get(d.learner, -1))
         merged = build_merge(state, contributors, bases, is_embedding=self.is_embedding,
                              outer_kwargs=self.outer_kwargs, robust=self.robust, trim_ratio=self.trim_ratio,
-                             anchoring=self.anchoring)
+                             anchoring=self.anchoring, clip_ratio=self.clip_ratio)
         if merged is None:
             state.pending.clear()
             state.consumed = consumed
@@ -246,6 +247,7 @@ class Syncer:
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
             "outer": self.outer_kwargs, "update_codec": self.update_codec,
             "robust": self.robust, "trim_ratio": self.trim_ratio, "anchoring": self.anchoring,
+            "clipped": sum(1 for e in entries if "clip" in e),
         }
         won = self._publish(state, merged.params, merged.outer, record, consumed, merged.clock)
         if won:
@@ -259,6 +261,7 @@ class Syncer:
         self.counters["merges"] += 1
         self.counters["contributors_total"] += record["contributors"]
         self.counters["grace_s_total"] += grace
+        self.counters["contributions_clipped"] += record["clipped"]
         self.ema_sync.update(self.now() - start)
         m = self.metrics
         m.deltas_merged_total.inc(len(entries) + num_superseded)
