@@ -6,7 +6,7 @@ Decoupled DiLoCo (arXiv 2604.21428), sections 4.6 and 4.7 of PAPER-NOTES.md. Pur
    both counters measured since m last received p: "quantity" times "quality" (tokens per inner
    step). A learner with no steps or no tokens has weight 0.
 2. **Pseudo-gradients** ``pseudo_grad_m = base - local_m`` are anchored by the caller at the
-   syncer's own current global value (§5.1); this module only combines them.
+   syncer's own current global value (§5.1, :func:`anchor`); this module combines them.
 3. **Radial-Directional Averaging** (§4.7), per tensor, for every tensor that is not an embedding::
 
        phi(x) = x / ||x||,  phi(0) = 0
@@ -23,19 +23,37 @@ Degenerate direction: when the mean direction's norm falls below ``DEGENERATE_RA
 weighted share of non-zero contributors (e.g. ``v`` and ``-v`` with equal weights), its
 direction is numerically meaningless and RDA falls back to the weighted mean.
 
-Numerics: inputs are cast to float64 for the accumulation and the result is float32 on CPU.
-A single contributor (or a single one with positive weight) returns an fp32 copy of its own
-pseudo-gradient exactly. Invalid inputs raise ValueError.
+**How it runs** (the syncer's hot path). A fragment's tensors are laid out once per learner in a
+padded buffer of rows of ``ROW`` values (each tensor starts on a row; this thread's buffer is
+reused, since fresh multi-MB buffers cost more in page faults than the arithmetic; the results
+are copied out of it unless the caller asks for views, as the outer step does). Then every
+step is one torch op over all learners and tensors: row norms, per-tensor norms as segment sums
+of rows, one coefficient per (learner, tensor) expanded to rows (``w / (W ||v||)`` for RDA,
+``w / W`` for embeddings), one scaled sum over learners, the direction's norms, one rescale. The
+only Python loops are over learners; a per-tensor loop runs only for a degenerate tensor.
+
+**Numerics.** Element-wise work is float32: every output value is a sum of M float32 products,
+a few ulps from the float64 result, far below the int4 wire's error. Float64 is used where it
+matters, on scalars: the squared row norms are summed per tensor in float64 (a tensor's norm over
+millions of values would lose digits in float32), and weights, radii and coefficients are float64
+until each is rounded once to float32. Every reduction has a fixed order whatever the thread
+count (rows of ``ROW`` values are reduced one row per thread; segment sums run in row order), and
+element-wise ops are exactly rounded, so a merge is bit-for-bit reproducible: ``replay`` depends
+on it (tests/ops/test_replay.py). A single contributor (or a single one with positive weight)
+returns an fp32 copy of its own pseudo-gradient exactly. Invalid inputs raise ValueError.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
 DEGENERATE_RATIO = 1e-6
+ROW = 1024  # values per row of the merge buffer: a row is reduced by one thread, in one fixed order
+EPS = 1e-12  # a pseudo-gradient whose norm is at most this has no direction (phi(0) = 0)
 
 
 def token_weight(num_tokens: int, num_steps: int) -> float:
@@ -67,62 +85,119 @@ def _check_shapes(vectors: Sequence[torch.Tensor]) -> None:
             raise ValueError(f"shape mismatch: {tuple(v.shape)} != {tuple(shape)}")
 
 
-def _sole_contributor(vectors: Sequence[torch.Tensor], ws: list[float]) -> torch.Tensor | None:
-    positive = [i for i, w in enumerate(ws) if w > 0]
-    if len(positive) == 1:
-        return vectors[positive[0]].detach().to(device="cpu", dtype=torch.float32, copy=True)
-    return None
+# --- the vectorised merge ------------------------------------------------------------------------
+
+
+class _Layout:
+    """Where each tensor's values sit in a padded buffer of rows of ``ROW`` values."""
+
+    def __init__(self, shapes: Sequence[torch.Size]) -> None:
+        self.shapes = list(shapes)
+        self.numels = [math.prod(s) for s in self.shapes]
+        rows = [max(1, -(-n // ROW)) for n in self.numels]
+        self.starts = [0]
+        for r in rows[:-1]:
+            self.starts.append(self.starts[-1] + r * ROW)
+        self.num_rows = sum(rows)
+        self.segment = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
+        self.has_padding = any(n != r * ROW for n, r in zip(self.numels, rows))
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's values in ``flat`` (one buffer of ``num_rows * ROW``), in its shape."""
+        return [flat[s:s + n].view(shape) for s, n, shape in zip(self.starts, self.numels, self.shapes)]
+
+
+    def pads(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The padding after each tensor that does not end on a row boundary."""
+        ends = self.starts[1:] + [self.num_rows * ROW]
+        return [flat[s + n:e] for s, n, e in zip(self.starts, self.numels, ends) if s + n < e]
+
+    def segment_sums(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-tensor float64 sums of ``rows`` (``[..., num_rows]``), added in row order."""
+        out = torch.zeros((*rows.shape[:-1], len(self.shapes)), dtype=torch.float64)
+        return out.index_add_(-1, self.segment, rows.to(torch.float64))
+
+
+_LOCAL = threading.local()
+
+
+def _buffer(num_values: int) -> torch.Tensor:
+    """This thread's merge buffer, at least ``num_values`` float32 long, reused between merges."""
+    buf = getattr(_LOCAL, "buffer", None)
+    if buf is None or buf.numel() < num_values:
+        buf = _LOCAL.buffer = torch.empty(num_values, dtype=torch.float32)
+    return buf[:num_values]
+
+
+def _norms(lay: _Layout, x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor L2 norms (float64) of ``x`` (``[..., num_rows, ROW]``, padding zero)."""
+    return lay.segment_sums(torch.linalg.vector_norm(x, dim=-1).to(torch.float64).square_()).sqrt_()
+
+
+def _merge(columns: list[list[torch.Tensor]], ws: list[float], is_emb: list[bool], *,
+           reuse: bool, eps: float = EPS) -> list[torch.Tensor]:
+    """The merged tensors of ``columns[m][t]`` (learner m, tensor t): RDA, or the weighted mean
+    where ``is_emb[t]``. With ``reuse`` the results are views of this thread's buffer."""
+    lay = _Layout([v.shape for v in columns[0]])
+    total = sum(ws)
+    live = [m for m, w in enumerate(ws) if w > 0]
+    flat = _buffer(len(live) * lay.num_rows * ROW)
+    x = flat.view(len(live), lay.num_rows, ROW)
+    rows = [x[i].view(-1) for i in range(len(live))]
+    if lay.has_padding:
+        torch._foreach_zero_([pad for r in rows for pad in lay.pads(r)])
+    torch._foreach_copy_([dst for r in rows for dst in lay.views(r)],
+                         [columns[m][t] for m in live for t in range(len(lay.shapes))])
+    acc = x[0]
+    if len(live) == 1:  # a sole contributor: its own pseudo-gradient, exactly
+        return lay.views(acc.reshape(-1) if reuse else acc.reshape(-1).clone())
+    w = torch.tensor([ws[m] for m in live], dtype=torch.float64)[:, None]
+    norms = _norms(lay, x)                                               # [M, T]
+    emb = torch.tensor(is_emb)
+    has_dir = norms > eps
+    radius = (w * norms).sum(0) / total
+    live_share = (w * has_dir).sum(0) / total
+    coef = torch.where(emb, w / total, torch.where(has_dir, w / (total * norms), 0.0))
+    x.mul_(coef[:, lay.segment].to(torch.float32)[..., None])
+    for i in range(1, len(live)):
+        acc.add_(x[i])
+    dir_norm = _norms(lay, acc)                                          # [T]
+    degenerate = ~emb & (live_share > 0) & (dir_norm < DEGENERATE_RATIO * live_share)
+    scale = torch.where(emb, 1.0, torch.where(live_share > 0, radius / dir_norm, 0.0))
+    scale = torch.where(degenerate, 1.0, scale)
+    acc.mul_(scale[lay.segment].to(torch.float32)[:, None])
+    out = lay.views(acc.view(-1))
+    for t in degenerate.nonzero().flatten().tolist():  # rare: the direction cancelled out
+        _weighted_mean_into(out[t], [columns[m][t] for m in live], [ws[m] / total for m in live])
+    return out if reuse else lay.views(acc.reshape(-1).clone())
+
+
+def _weighted_mean_into(out: torch.Tensor, vectors: list[torch.Tensor], coefs: list[float]) -> None:
+    torch.mul(vectors[0], coefs[0], out=out)
+    for v, c in zip(vectors[1:], coefs[1:]):
+        out.add_(torch.mul(v, c))
+
+
+def _as_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.float32)
 
 
 def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``sum w v / sum w``, accumulated in float64, returned as float32."""
+    """``sum w v / sum w`` as a new float32 tensor."""
     ws = _check_weights(weights, len(vectors))
     _check_shapes(vectors)
-    sole = _sole_contributor(vectors, ws)
-    if sole is not None:
-        return sole
-    return _weighted_mean64(vectors, ws).to(torch.float32)
+    return _merge([[_as_fp32(v)] for v in vectors], ws, [True], reuse=False)[0]
 
 
-def _weighted_mean64(vectors: Sequence[torch.Tensor], ws: list[float]) -> torch.Tensor:
-    total = sum(ws)
-    acc = torch.zeros(vectors[0].shape, dtype=torch.float64)
-    for v, w in zip(vectors, ws):
-        if w > 0:
-            acc.add_(v.detach().to("cpu", torch.float64), alpha=w / total)
-    return acc
-
-
-def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12) -> torch.Tensor:
-    """Radial-Directional Averaging (see the module docstring); float32 result.
+def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float], eps: float = EPS) -> torch.Tensor:
+    """Radial-Directional Averaging (see the module docstring) as a new float32 tensor.
 
     A vector whose norm is at most ``eps`` counts as zero: it adds to the radius average but has
     no direction (phi(0) = 0).
     """
     ws = _check_weights(weights, len(vectors))
     _check_shapes(vectors)
-    sole = _sole_contributor(vectors, ws)
-    if sole is not None:
-        return sole
-    total = sum(ws)
-    radius = 0.0
-    direction = torch.zeros(vectors[0].shape, dtype=torch.float64)
-    live_share = 0.0  # weighted share of non-zero vectors: the norm the mean direction would have if they agreed
-    for v, w in zip(vectors, ws):
-        if w == 0:
-            continue
-        v64 = v.detach().to("cpu", torch.float64)
-        norm = float(torch.linalg.vector_norm(v64))
-        radius += w * norm / total
-        if norm > eps:
-            direction.add_(v64, alpha=w / (total * norm))
-            live_share += w / total
-    dir_norm = float(torch.linalg.vector_norm(direction))
-    if live_share == 0.0:
-        return torch.zeros(vectors[0].shape, dtype=torch.float32)
-    if dir_norm < DEGENERATE_RATIO * live_share:
-        return _weighted_mean64(vectors, ws).to(torch.float32)
-    return direction.mul_(radius / dir_norm).to(torch.float32)
+    return _merge([[_as_fp32(v)] for v in vectors], ws, [False], reuse=False, eps=eps)[0]
 
 
 ROBUST_MODES = ("none", "trimmed_mean", "median")
@@ -150,29 +225,40 @@ def merge_fragment(
     is_embedding: Callable[[str], bool],
     robust: str = "none",
     trim_ratio: float = 0.25,
+    *,
+    reuse_buffer: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One merged pseudo-gradient per tensor: RDA, or the weighted mean for embeddings; with
-    ``robust`` set, a coordinate-wise robust average for every tensor instead."""
+    ``robust`` set, a coordinate-wise robust average for every tensor instead.
+
+    With ``reuse_buffer`` the results are views of this thread's merge buffer, valid until the next
+    merge on this thread (the outer step consumes them at once); otherwise they are new tensors."""
     ws = _check_weights(weights, len(pseudo_grads))
     names = list(pseudo_grads[0])
     for i, pg in enumerate(pseudo_grads[1:], start=1):
         if set(pg) != set(names):
             raise ValueError(f"contributor {i} has tensors {sorted(pg)}, contributor 0 has {sorted(names)}")
-    out = {}
-    for name in names:
-        vectors = [pg[name] for pg in pseudo_grads]
+    columns = [[_as_fp32(pg[name]) for name in names] for pg in pseudo_grads]
+    for t, name in enumerate(names):
         try:
-            _check_shapes(vectors)
+            _check_shapes([col[t] for col in columns])
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
-        if robust != "none":
-            out[name] = robust_mean(vectors, robust, trim_ratio)
-        else:
-            out[name] = weighted_mean(vectors, ws) if is_embedding(name) else rda(vectors, ws)
-    return out
+    if robust != "none":
+        return {name: robust_mean([col[t] for col in columns], robust, trim_ratio) for t, name in enumerate(names)}
+    merged = _merge(columns, ws, [bool(is_embedding(n)) for n in names], reuse=reuse_buffer)
+    return dict(zip(names, merged))
 
 
 def anchor(current: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
            pseudo_grad: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Δ = Θ_current − θ_learner with θ_learner = Θ_base − pseudo_grad (Appendix D.2 anchoring)."""
-    return {n: (current[n] - base[n]) + pseudo_grad[n] for n in current}
+    """Δ = Θ_current − θ_learner with θ_learner = Θ_base − pseudo_grad (Appendix D.2 anchoring).
+
+    A delta on the current version (``base`` holds the current tensors themselves, as the syncer's
+    history does) is its own anchor, Δ = pseudo_grad: nothing is computed or copied."""
+    names = list(current)
+    if all(current[n] is base[n] for n in names):
+        return {n: pseudo_grad[n] for n in names}
+    diff = torch._foreach_sub([current[n] for n in names], [base[n] for n in names])
+    torch._foreach_add_(diff, [pseudo_grad[n] for n in names])
+    return dict(zip(names, diff))

@@ -13,9 +13,11 @@ gradient (pinned by a test). The sign matters: ``pseudo_grad`` points from the l
 global, so the descent step moves the global toward the learners. Defaults are DiLoCo's
 (lr 0.7, momentum 0.9); the Decoupled DiLoCo paper publishes none.
 
-``step`` never mutates its inputs; the momentum buffers start at zero and are created on the
-first step (or from ``shapes``). ``state_dict`` holds ``momentum.<name>`` fp32 tensors and a
-``num_steps`` int64 scalar.
+``step`` never mutates its inputs (unless told it may consume the pseudo-gradient); the momentum
+buffers start at zero and are created on the first step (or from ``shapes``). A step is four
+``torch._foreach_*`` ops over the fragment's tensors, the ones ``SGD(foreach=True)`` runs, in fp32:
+element-wise and exactly rounded, so no float64 is needed and the bits do not depend on the thread
+count. ``state_dict`` holds ``momentum.<name>`` fp32 tensors and a ``num_steps`` int64 scalar.
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ class OuterOptimizer:
             if tuple(t.shape) != tuple(self._bufs[name].shape):
                 raise ValueError(f"{what}: {name} has shape {tuple(t.shape)}, expected {tuple(self._bufs[name].shape)}")
 
-    def step(self, params: dict[str, torch.Tensor], pseudo_grad: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """New fp32 global parameters after one outer step; inputs are left unchanged."""
+    def step(self, params: dict[str, torch.Tensor], pseudo_grad: dict[str, torch.Tensor], *,
+             consume: bool = False) -> dict[str, torch.Tensor]:
+        """New fp32 global parameters after one outer step; inputs are left unchanged, except that
+        with ``consume`` the fp32 CPU ``pseudo_grad`` tensors are overwritten (Nesterov's look-ahead
+        is computed in them instead of in fresh memory)."""
         if set(params) != set(pseudo_grad):
             raise ValueError(f"params {sorted(params)} and pseudo_grad {sorted(pseudo_grad)} name different tensors")
         for name in params:
@@ -67,15 +72,34 @@ class OuterOptimizer:
         if self._bufs is None:
             self._bufs = {name: torch.zeros(p.shape, dtype=torch.float32) for name, p in params.items()}
         self._check_names(params, "params")
-        new_params = {}
-        for name, p in params.items():
-            delta = pseudo_grad[name].detach().to("cpu", torch.float32)
-            buf = self._bufs[name]
-            buf.mul_(self.momentum).add_(delta)
-            update = delta.add(buf, alpha=self.momentum) if self.nesterov else buf
-            new_params[name] = p.detach().to("cpu", torch.float32, copy=True).add_(update, alpha=-self.lr)
+        names = list(params)
+        deltas = [pseudo_grad[n].detach().to("cpu", torch.float32) for n in names]
+        bufs = [self._bufs[n] for n in names]
+        # the ops and their order are torch.optim.SGD's (foreach=True), so the bits are its bits
+        torch._foreach_mul_(bufs, self.momentum)
+        torch._foreach_add_(bufs, deltas)
+        if self.nesterov:
+            if consume:
+                torch._foreach_add_(deltas, bufs, alpha=self.momentum)
+                update = deltas
+            else:
+                update = torch._foreach_add(deltas, bufs, alpha=self.momentum)
+        else:
+            update = bufs
+        stepped = torch._foreach_add([params[n].detach().to("cpu", torch.float32) for n in names], update,
+                                     alpha=-self.lr)
         self.num_steps += 1
-        return new_params
+        return dict(zip(names, stepped))
+
+    def copy(self, **hyperparameters: Any) -> OuterOptimizer:
+        """An independent optimizer in the same state (one copy of the momentum buffers), with
+        ``hyperparameters`` (lr, momentum, nesterov) replacing this one's where given."""
+        twin = OuterOptimizer(**{"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
+                                 **hyperparameters})
+        if self._bufs is not None:
+            twin._bufs = dict(zip(self._bufs, [b.clone() for b in self._bufs.values()]))
+        twin.num_steps = self.num_steps
+        return twin
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {MOMENTUM_PREFIX + name: buf.clone() for name, buf in (self._bufs or {}).items()}
@@ -110,8 +134,9 @@ def merge_and_step(params: dict[str, torch.Tensor], outer: OuterOptimizer, ancho
                    outer_kwargs: dict[str, Any], robust: str = "none",
                    trim_ratio: float = 0.25) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
     """Token-weighted RDA (mean for embeddings), or a robust average; then one outer Nesterov step
-    on a copy of ``outer``."""
-    delta = merge.merge_fragment(anchored, weights, is_embedding, robust=robust, trim_ratio=trim_ratio)
-    stepped = OuterOptimizer(**outer_kwargs)
-    stepped.load_state_dict(outer.state_dict())
-    return stepped.step(params, delta), stepped
+    on a copy of ``outer`` (with ``outer_kwargs``' hyperparameters, ``outer``'s momentum and step
+    count). The merged pseudo-gradient lives in the merge's reused buffer and is consumed there."""
+    delta = merge.merge_fragment(anchored, weights, is_embedding, robust=robust, trim_ratio=trim_ratio,
+                                 reuse_buffer=True)
+    stepped = outer.copy(**outer_kwargs)
+    return stepped.step(params, delta, consume=True), stepped

@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddiloco_geo.core import merge
-from ddiloco_geo.core.merge import merge_fragment, rda, token_weight, weighted_mean
+from ddiloco_geo.core.merge import anchor, merge_fragment, rda, token_weight, weighted_mean
+
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
 
 
 def _orthogonal(m, dim, radius, seed=0):
@@ -135,3 +137,83 @@ def test_robust_modes_ignore_one_poisoned_learner():
     assert torch.equal(merge.robust_mean(two, "trimmed_mean", 0.49), merge.robust_mean(two, "median"))
     with pytest.raises(ValueError):
         merge.robust_mean(two, "mode")
+
+
+def _naive_rda64(vectors, weights, eps=1e-12):
+    """The float64 reference of RDA (the module docstring's formula, one tensor)."""
+    total = sum(weights)
+    v64 = [v.double() for v in vectors]
+    norms = [float(v.norm()) for v in v64]
+    radius = sum(w * n for w, n in zip(weights, norms)) / total
+    direction = sum(w / (total * n) * v for w, n, v in zip(weights, norms, v64) if n > eps)
+    return direction * (radius / float(direction.norm()))
+
+
+def _fragment(seed, shapes):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) * (1 + i) for i, (n, s) in enumerate(shapes.items())}
+
+
+SHAPES = {"wte.weight": (37, 8), "blocks.0.attn.c_attn.weight": (48, 64), "blocks.0.ln_1.weight": (7,),
+          "blocks.0.mlp.c_fc.weight": (1024, 3), "blocks.0.mlp.c_fc.bias": (1,)}
+
+
+def test_vectorised_merge_matches_the_float64_reference_per_tensor():
+    """Tensors of every size (padding, a row exactly, several rows) merge as each would alone."""
+    pgs = [_fragment(s, SHAPES) for s in range(4)]
+    ws = [1.0, 0.5, 2.0, 0.0]
+    out = merge_fragment(pgs, ws, lambda n: n.startswith("wte"))
+    for n in SHAPES:
+        vectors = [pg[n] for pg in pgs]
+        alone = weighted_mean(vectors, ws) if n.startswith("wte") else rda(vectors, ws)
+        assert torch.equal(out[n], alone), n
+        if not n.startswith("wte"):
+            ref = _naive_rda64(vectors[:3], ws[:3]).float()
+            # float32 sums of M products: a few ulps of the tensor's scale from the float64 result
+            torch.testing.assert_close(out[n], ref, rtol=2e-6, atol=1e-6 * float(ref.abs().max()))
+
+
+def test_reused_buffer_gives_views_and_the_default_gives_owned_tensors():
+    pgs = [_fragment(s, SHAPES) for s in range(3)]
+    owned = merge_fragment(pgs, [1.0, 2.0, 3.0], lambda n: False)
+    views = merge_fragment(pgs, [1.0, 2.0, 3.0], lambda n: False, reuse_buffer=True)
+    for n in SHAPES:
+        assert torch.equal(owned[n], views[n])
+    merge_fragment([_fragment(9, SHAPES)] * 2, [1.0, 1.0], lambda n: False, reuse_buffer=True)
+    assert not torch.equal(owned["blocks.0.attn.c_attn.weight"], views["blocks.0.attn.c_attn.weight"])
+    again = merge_fragment(pgs, [1.0, 2.0, 3.0], lambda n: False)
+    assert all(torch.equal(owned[n], again[n]) for n in SHAPES)  # owned results never move
+
+
+def test_merge_does_not_mutate_its_inputs():
+    pgs = [_fragment(s, SHAPES) for s in range(3)]
+    before = [{n: t.clone() for n, t in pg.items()} for pg in pgs]
+    merge_fragment(pgs, [1.0, 2.0, 3.0], lambda n: "wte" in n, reuse_buffer=True)
+    for pg, b in zip(pgs, before):
+        assert all(torch.equal(pg[n], b[n]) for n in SHAPES)
+
+
+def test_merge_fragment_is_thread_count_invariant():
+    shapes = {"a": (70_001,), "b": (3, 1000), "wte.weight": (513, 64), "c": (2_000_003,)}
+    pgs = [_fragment(s, shapes) for s in range(3)]
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            results.append(merge_fragment(pgs, [1.0, 2.5, 0.3], lambda name: "wte" in name))
+    finally:
+        torch.set_num_threads(before)
+    for r in results[1:]:
+        assert all(torch.equal(r[n], results[0][n]) for n in shapes)
+
+
+def test_anchor_on_the_current_version_is_the_pseudo_grad_itself():
+    current = {"w": torch.randn(5), "b": torch.randn(2)}
+    pg = {"w": torch.randn(5), "b": torch.randn(2)}
+    same = anchor(current, dict(current), pg)
+    assert all(same[n] is pg[n] for n in pg)
+    base = {n: t - 0.5 for n, t in current.items()}
+    stale = anchor(current, base, pg)
+    for n in pg:
+        assert torch.equal(stale[n], (current[n] - base[n]) + pg[n])

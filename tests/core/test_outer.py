@@ -5,6 +5,8 @@ import torch
 
 from ddiloco_geo.core.outer import OuterOptimizer
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 SHAPES = {"a.weight": (5, 3), "a.bias": (5,), "b": (7,)}
 
 
@@ -97,3 +99,36 @@ def test_step_rejects_mismatched_fragments():
 def test_bad_hyperparameters_rejected(kwargs):
     with pytest.raises(ValueError):
         OuterOptimizer(**kwargs)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_consuming_step_and_copy_match_the_plain_step(nesterov):
+    params, pgs = _random(0), [_random(30 + i, scale=0.1) for i in range(3)]
+    plain, consuming = OuterOptimizer(nesterov=nesterov), OuterOptimizer(nesterov=nesterov)
+    p1 = p2 = params
+    for pg in pgs:
+        p1 = plain.step(p1, pg)
+        snapshot = consuming.copy()
+        p2 = consuming.step(p2, {n: t.clone() for n, t in pg.items()}, consume=True)
+        for n in SHAPES:
+            assert torch.equal(p1[n], p2[n])
+        if snapshot.num_steps:  # the copy kept the state it had before the step
+            assert snapshot.num_steps == consuming.num_steps - 1
+            assert not torch.equal(snapshot.state_dict()["momentum.b"], consuming.state_dict()["momentum.b"])
+
+
+def test_merge_and_step_leaves_the_optimizer_and_the_inputs_alone():
+    from ddiloco_geo.core.outer import merge_and_step
+
+    outer = OuterOptimizer()
+    params = _random(0)
+    outer.step(params, _random(1))
+    before = outer.state_dict()
+    anchored = [_random(2 + i) for i in range(3)]
+    kept = [{n: t.clone() for n, t in a.items()} for a in anchored]
+    new, stepped = merge_and_step(params, outer, anchored, [1.0, 2.0, 3.0], lambda n: False,
+                                  {"lr": 0.5, "momentum": 0.8, "nesterov": True})
+    after = outer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(a[n], k[n]) for a, k in zip(anchored, kept) for n in SHAPES)
+    assert (stepped.lr, stepped.momentum, stepped.num_steps) == (0.5, 0.8, 2)
