@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "goodput and bandwidth simulator at data-centre scale",
     "plan": "recommend learners, regions, H, P, codec and syncer from a regions file; time and cost",
     "wan-proxy": "TCP proxy on 127.0.0.1 that adds delay and caps bandwidth",
+    "fault-proxy": "HTTP proxy on 127.0.0.1 that injects storage faults from a seed",
     "status": "live view of a run, from the bucket alone",
     "report": "PNG charts and a summary of a run",
     "chaos": "seeded chaos run on real processes and a real S3 server",
