@@ -186,6 +186,23 @@ def test_first_merge_after_a_restart():
     assert first_merge_after(records, "a", 10) is None
 
 
+def test_downtime_and_stalls_are_judged_against_the_runs_own_timings():
+    from ddiloco_geo.tools.chaos.goals import STEP_PATIENCE, real_downtime, stall_period
+
+    # a 1.3 s gap when steps take 1 s is a slow step; 10 s is a stop
+    assert real_downtime([(0.0, 1.3)], 1.0) == []
+    assert real_downtime([(0.0, 1.3), (5.0, 15.0)], 1.0) == [(5.0, 15.0)]
+    assert real_downtime([(0.0, STEP_PATIENCE * 0.1 + 0.01)], 0.1) != []
+    report = {"timed_out": False, "downtime_s": 1.3, "downtime_intervals": [(0.0, 1.3)], "step_s_median": 1.0,
+              "stalls": [], "deltas_unaccounted": 0, "deltas_written": 1, "deltas_merged": 1, "deltas_rejected": 0,
+              "restarted_merged_after_restart": {}, "processes_failed": []}
+    assert goals(report)["zero_downtime"]
+    assert not goals({**report, "downtime_intervals": [(0.0, 10.0)], "downtime_s": 10.0})["zero_downtime"]
+    # a syncer that publishes every 2 s on a slow machine: the stall period follows it
+    assert stall_period(24, 0.01, [0, 2, 4, 6, 8]) == pytest.approx(2 * 5 / 3)
+    assert stall_period(24, 1.0, [0, 2, 4]) == 24.0
+
+
 def test_goals():
     report = {"timed_out": False, "downtime_s": 0, "stalls": [], "deltas_unaccounted": 0, "deltas_written": 5,
               "deltas_merged": 4, "deltas_rejected": 1, "restarted_merged_after_restart": {"a.1": True},
@@ -237,7 +254,9 @@ def test_short_chaos_run_on_the_moto_server(make_storage_config, tmp_path):
     assert any(p["up_bytes"] > 0 and p["down_bytes"] > 0 for p in report["wan"]["proxies"].values()), report["wan"]
 
     # the guarantees
-    assert report["downtime_s"] == 0, context
+    # no learner-wide stop longer than STEP_PATIENCE of the learners' own step times (a CPU-starved
+    # machine slows steps; that is not downtime); the unfiltered figure is reported beside it
+    assert report["goals"]["zero_downtime"], context
     assert report["deltas_unaccounted"] == 0, report["unaccounted_keys"]
     # every delta counted exactly once (one rejected by one syncer and folded into a merged delta
     # by the other counts as merged)

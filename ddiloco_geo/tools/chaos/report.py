@@ -26,7 +26,9 @@ from ddiloco_geo import protocol
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import CodecError, NotFoundError, StorageError
 from ddiloco_geo.storage import Store
-from ddiloco_geo.tools.chaos.goals import compute_downtime, compute_goodput, find_stalls, first_merge_after
+from ddiloco_geo.tools.chaos.goals import (
+    compute_downtime, compute_goodput, find_stalls, first_merge_after, stall_period,
+)
 from ddiloco_geo.tools.chaos.supervisor import Proc, Supervisor
 from ddiloco_geo.tools.chaos.testbed import Testbed
 from ddiloco_geo.tools.evaluate import Evaluator
@@ -221,8 +223,8 @@ def build_report(sup: Supervisor, store: Store, testbed: Testbed, evaluator: Eva
     (sup.out / "heartbeats.json").write_text(json.dumps(
         {p.name: [[round(o[0] - t0, 3), o[1], o[2], o[3]] for o in p.obs] for p in learners}))
 
-    period = spec.sync_every * step_s
     pubs = [float(r["published_at"]) for r in records if r.get("kind") == "merge" and r.get("published_at")]
+    period = stall_period(spec.sync_every, step_s, pubs)
     stalls = stalls_of(sup, learners, pubs, period)
     recovery_s, restart_detail, restarted_merged = recovery(sup, learners, records, pubs)
 
