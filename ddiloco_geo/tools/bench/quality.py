@@ -70,7 +70,7 @@ def train_ddiloco(settings, num_learners: int, seed: int) -> dict[str, Any]:
             "eval_loss": datamod.evaluate(model, batches),
             "merges": c["merges"], "mean_contributors": c["contributors_total"] / max(1, c["merges"]),
             "deltas_merged": c["deltas_merged"], "deltas_rejected": c["deltas_rejected"],
-            "simulated_s": run.now,
+            "simulated_s": run.now, "discarded_fragment_steps_ratio": run.discarded_ratio(),
         }
     finally:
         run.close()
