@@ -7,14 +7,20 @@ process running throughout, one learner at a time:
 1. ``off``: the same learner with syncing disabled (after the first pull: no deltas, no polling);
 2. ``loopback``: syncing on, the learner talks to the S3 server directly;
 3. ``wan``: syncing on, the learner's storage traffic goes through the WAN emulator
-   (``ddiloco-geo wan-proxy``; default 100 ms round trip, 20 Mbit/s, as between continents);
-4. ``off`` again, so the baseline brackets the measured runs (machine noise shows as the spread).
+   (``ddiloco-geo wan-proxy``; default 100 ms round trip, 20 Mbit/s, as between continents).
+
+The three phases interleave (off, loopback, wan, off, loopback, wan, ...) until the ``off`` runs'
+last ``--window`` tokens/s are within 5% of each other ((max - min) / median) or ``--budget-s``
+runs out (:mod:`.rounds`); a single bracketing pair once gave baselines 44% apart, which made the
+ratios meaningless. Figures are medians over the last window, reported with their spreads, the
+number of rounds and ``settled`` (false: the baseline never settled, read the ratios as noise).
 
 Throughput is the learner's own tokens/s from joining until it stopped stepping (its
-``exit.json``; the exit path, i.e. the final flush and the checkpoint, is reported as ``flush_s``). The figures of merit
-are ``loopback.ratio`` and ``wan.ratio`` = tokens/s with syncing / mean tokens/s without (goal
-≥ 0.95). On a 2-core machine the syncer and the S3 server share the cores with the learner, in
-every phase alike.
+``exit.json``; the exit path, i.e. the final flush and the checkpoint, is reported as
+``flush_s``). The figures of merit are ``loopback.ratio`` and ``wan.ratio`` = median tokens/s
+with syncing / median tokens/s without (goal ≥ 0.95); ``round_ratios`` pairs each run with its
+own round's ``off`` run. On a 2-core machine the syncer and the S3 server share the cores with the
+learner, in every phase alike.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import uuid
 from typing import Any
 
+from ddiloco_geo.tools.bench.rounds import interleave, spread
 from ddiloco_geo.tools.wanproxy import WanProxyThread
 
 
@@ -36,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delay-ms", type=float, default=50.0, help="one-way delay of the emulated link")
     p.add_argument("--rate-mbit", type=float, default=20.0, help="bandwidth of the emulated link")
     p.add_argument("--max-bytes", type=int, default=2_000_000)
+    p.add_argument("--window", type=int, default=3, help="interleaved rounds the medians are taken over")
+    p.add_argument("--budget-s", type=float, default=900.0,
+                   help="seconds to bring the off runs' spread under 5%% (default 900; a round is 3 runs)")
 
 
 def _learner(common: list[str], name: str, endpoint: str, steps: int, sync: bool) -> dict[str, Any]:
@@ -50,6 +61,9 @@ def _learner(common: list[str], name: str, endpoint: str, steps: int, sync: bool
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.window < 2 or args.budget_s < 0 or args.steps < 1:
+        print("bench overhead: need --window >= 2, --budget-s >= 0 and --steps >= 1", file=sys.stderr)
+        return 2
     try:
         from moto.server import ThreadedMotoServer
     except ImportError:
@@ -72,28 +86,38 @@ def run(args: argparse.Namespace) -> int:
     syncer = subprocess.Popen([sys.executable, "-m", "ddiloco_geo", "syncer", *common,
                                "--set", f"storage.endpoint_url={endpoint}"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    phases: dict[str, list[dict[str, Any]]] = {"off": [], "loopback": [], "wan": []}
+    names = (f"bench-{i}" for i in range(1 << 30))
+
+    def progress(msg: str) -> None:
+        print(f"bench overhead: {msg}", file=sys.stderr, flush=True)
+
+    def phase(name: str, url: str, sync: bool) -> dict[str, Any]:
+        res = _learner(common, f"{next(names)}-{name}", url, args.steps, sync)
+        progress(f"{name} tokens/s {res['tokens_per_s']:.0f} ({args.steps} steps, model {args.model})")
+        return res
+
     try:
         with WanProxyThread("127.0.0.1", port, delay_s=args.delay_ms / 1000,
                             rate_bps=args.rate_mbit * 1e6) as proxy:
-            plan = [("off", endpoint, False), ("loopback", endpoint, True), ("wan", proxy.url, True),
-                    ("off", endpoint, False)]
-            for i, (phase, url, sync) in enumerate(plan):
-                print(f"bench overhead: phase {i + 1}/{len(plan)} {phase} ({args.steps} steps, model {args.model})",
-                      file=sys.stderr)
-                res = _learner(common, f"bench-{phase}-{i}", url, args.steps, sync)
-                phases[phase].append(res)
-                print(f"bench overhead: {phase} tokens/s {res['tokens_per_s']:.0f}", file=sys.stderr)
+            runs = interleave(
+                lambda: phase("off", endpoint, False)["tokens_per_s"],
+                lambda: {"loopback": phase("loopback", endpoint, True), "wan": phase("wan", proxy.url, True)},
+                window=args.window, budget_s=args.budget_s, progress=progress)
             wan_stats = proxy.proxy.stats()
     finally:
         syncer.terminate()
         syncer.wait(timeout=120)
         server.stop()
-    off = [r["tokens_per_s"] for r in phases["off"]]
-    base = sum(off) / len(off)
+    off = runs["baseline"]
+    base = statistics.median(off)
 
-    def summary(r: dict[str, Any]) -> dict[str, Any]:
-        return {"tokens_per_s": r["tokens_per_s"], "ratio": r["tokens_per_s"] / base,
+    def summary(name: str) -> dict[str, Any]:
+        results = [r[name] for r in runs["measured"]]
+        tps = [r["tokens_per_s"] for r in results]
+        r = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]  # the median run's details
+        return {"tokens_per_s": statistics.median(tps), "ratio": statistics.median(tps) / base,
+                "runs_tokens_per_s": tps, "spread": spread(tps),
+                "round_ratios": [t / o for t, o in zip(tps, off)],
                 "deltas_sent": r["uploads"]["deltas_sent"], "upload_queue_at_exit": r["upload_queue"],
                 "globals_adopted": r["poller"].get("updates_applied", 0) + r["poller"].get("globals_fetched", 0),
                 "bytes_up": r["storage"]["bytes_up"], "bytes_down": r["storage"]["bytes_down"],
@@ -101,11 +125,13 @@ def run(args: argparse.Namespace) -> int:
 
     out = {
         "model": args.model, "steps": args.steps, "link": {"delay_ms_one_way": args.delay_ms, "rate_mbit": args.rate_mbit},
-        "off_tokens_per_s": off, "baseline_tokens_per_s": base,
-        "baseline_spread_ratio": (max(off) - min(off)) / base,
-        "loopback": summary(phases["loopback"][0]), "wan": summary(phases["wan"][0]),
+        "off_tokens_per_s": off, "baseline_tokens_per_s": base, "baseline_spread_ratio": runs["spread"],
+        "rounds": runs["rounds"], "window": args.window, "settled": runs["settled"],
+        "loopback": summary("loopback"), "wan": summary("wan"),
         "goal_ratio": 0.95, "proxy": wan_stats,
     }
-    print(json.dumps(out, indent=1) if args.json else
-          f"loopback {out['loopback']['ratio']:.3f}  wan {out['wan']['ratio']:.3f}  (baseline spread {out['baseline_spread_ratio']:.3f})")
+    print(json.dumps(out, indent=1) if getattr(args, "json", False) else
+          f"loopback {out['loopback']['ratio']:.3f}  wan {out['wan']['ratio']:.3f}  (baseline spread "
+          f"{out['baseline_spread_ratio']:.1%} over the last {args.window} of {out['rounds']} rounds"
+          + ("" if out["settled"] else "; it never settled: read the ratios as noise") + ")")
     return 0
