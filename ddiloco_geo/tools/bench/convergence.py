@@ -38,10 +38,9 @@ from typing import Any
 import torch
 
 from ddiloco_geo.core import config
-from ddiloco_geo.core import data as datamod
 from ddiloco_geo.core import model as modelmod
-from ddiloco_geo.tools.bench.reference import train_dp, train_lockstep
-from ddiloco_geo.tools.inprocess import Fault, InProcessRun, LearnerSpeed
+from ddiloco_geo.tools.bench.reference import hetero_speeds, train_dp, train_harness, train_lockstep
+from ddiloco_geo.tools.inprocess import Fault, LearnerSpeed
 
 EQUAL = "equal"
 HETERO = "hetero"
@@ -107,26 +106,12 @@ def _task(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _harness(settings, M: int, speeds: str, faults: bool, seed: int, label: str) -> dict[str, Any]:
-    sp = [LearnerSpeed(1.0, 0.0)] * M if speeds == EQUAL else \
-        [LearnerSpeed(1.0 if i % 2 == 0 else 1.18, 0.10) for i in range(M)]
+    sp = [LearnerSpeed(1.0, 0.0)] * M if speeds == EQUAL else hetero_speeds(M)
     steps = settings.learner.max_steps
     events = [Fault(learner=M - 1, at_step=int(0.4 * steps), down_steps=max(1, int(0.05 * steps)))] if faults else []
-    run = InProcessRun(settings, sp, seed=seed, faults=events)
-    try:
-        print(f"bench: {label} ({steps} steps x {M} learners)", file=sys.stderr, flush=True)
-        status = run.run()
-        model = modelmod.build_model(settings.model)
-        modelmod.set_tensors(model, run.global_params())
-        corpus = datamod.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
-        _, eval_data = datamod.split(corpus, settings.data.eval_ratio)
-        batches = datamod.eval_batches(eval_data, settings.model.block_size, settings.learner.batch_size,
-                                       settings.data.eval_batches)
-        c = status["counters"]
-        return {"eval_loss": datamod.evaluate(model, batches), "tokens": run.tokens_total(),
-                "merges": c["merges"], "mean_contributors": c["contributors_total"] / max(1, c["merges"]),
-                "discarded_ratio": run.discarded_ratio()}
-    finally:
-        run.close()
+    out = train_harness(settings, sp, seed=seed, faults=events, label=label)
+    out["discarded_ratio"] = out.pop("discarded_fragment_steps_ratio")
+    return out
 
 
 def token_efficiency(dp: list[tuple[int, float]], arm: list[tuple[int, float]]) -> tuple[float | None, bool]:

@@ -27,10 +27,7 @@ from typing import Any
 import torch
 
 from ddiloco_geo.core import config
-from ddiloco_geo.core import data as datamod
-from ddiloco_geo.core import model as modelmod
-from ddiloco_geo.tools.bench.reference import train_dp
-from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
+from ddiloco_geo.tools.bench.reference import hetero_speeds, train_dp, train_harness
 
 log = logging.getLogger(__name__)
 
@@ -55,25 +52,7 @@ def bench_settings(args: argparse.Namespace, **extra: Any):
 
 
 def train_ddiloco(settings, num_learners: int, seed: int) -> dict[str, Any]:
-    speeds = [LearnerSpeed(1.0 if i % 2 == 0 else 1.18, 0.10) for i in range(num_learners)]
-    run = InProcessRun(settings, speeds, seed=seed)
-    try:
-        status = run.run()
-        model = modelmod.build_model(settings.model)
-        modelmod.set_tensors(model, run.global_params())
-        corpus = datamod.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
-        _, eval_data = datamod.split(corpus, settings.data.eval_ratio)
-        batches = datamod.eval_batches(eval_data, settings.model.block_size, settings.learner.batch_size,
-                                       settings.data.eval_batches)
-        c = status["counters"]
-        return {
-            "eval_loss": datamod.evaluate(model, batches),
-            "merges": c["merges"], "mean_contributors": c["contributors_total"] / max(1, c["merges"]),
-            "deltas_merged": c["deltas_merged"], "deltas_rejected": c["deltas_rejected"],
-            "simulated_s": run.now, "discarded_fragment_steps_ratio": run.discarded_ratio(),
-        }
-    finally:
-        run.close()
+    return train_harness(settings, hetero_speeds(num_learners), seed=seed)
 
 
 VARIANTS = {

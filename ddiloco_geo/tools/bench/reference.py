@@ -1,4 +1,4 @@
-"""Reference trainers the quality benchmarks compare against, on exactly the learners' tokens.
+"""The trainers the quality benchmarks run, on exactly the learners' tokens.
 
 - :func:`train_dp`: plain data-parallel: one AdamW step per global batch (the concatenation of the
   M learners' batches, read by the same shard readers the learners use), the learners' schedule;
@@ -9,8 +9,12 @@
   and keeps its AdamW state. Whole model, fp32, no bucket: the upper bound of what fragments,
   quantization and asynchrony can keep.
 
-Both evaluate the final model on the held-out slice every learner and the global model use, and
-can record the eval loss at intermediate token counts (``eval_every_tokens``).
+- :func:`train_harness`: Decoupled DiLoCo itself, the real learner and syncer code on the in-process
+  harness (:class:`~ddiloco_geo.tools.inprocess.InProcessRun`, simulated time), with learner speeds
+  and faults.
+
+All evaluate the final model on the held-out slice every learner and the global model use (the
+reference trainers can also record the eval loss at intermediate token counts).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.merge import merge_fragment
 from ddiloco_geo.core.outer import OuterOptimizer
 from ddiloco_geo.learner.schedule import lr_schedule
+from ddiloco_geo.tools.inprocess import Fault, InProcessRun, LearnerSpeed
 
 
 @dataclass
@@ -125,3 +130,30 @@ def train_lockstep(settings, num_learners: int, *, eval_every_tokens: int = 0, l
     modelmod.set_tensors(global_model, global_params)
     final = datamod.evaluate(global_model, data.eval)
     return Result(final, tokens, curve + [(tokens, final)])
+
+
+def hetero_speeds(num_learners: int) -> list[LearnerSpeed]:
+    """The paper's heterogeneous-hardware setting: half at full speed, half 18% slower, 10% jitter."""
+    return [LearnerSpeed(1.0 if i % 2 == 0 else 1.18, 0.10) for i in range(num_learners)]
+
+
+def train_harness(settings, speeds: list[LearnerSpeed], *, seed: int, faults: list[Fault] | None = None,
+                  label: str = "ddiloco") -> dict[str, Any]:
+    """Decoupled DiLoCo on the in-process harness; the global model's eval loss and the run's counters."""
+    run = InProcessRun(settings, speeds, seed=seed, faults=faults)
+    try:
+        print(f"bench: {label} ({settings.learner.max_steps} steps x {len(speeds)} learners)", file=sys.stderr,
+              flush=True)
+        status = run.run()
+        model = modelmod.build_model(settings.model)
+        modelmod.set_tensors(model, run.global_params())
+        c = status["counters"]
+        return {
+            "eval_loss": datamod.evaluate(model, Data(settings, len(speeds)).eval), "tokens": run.tokens_total(),
+            "merges": c["merges"], "mean_contributors": c["contributors_total"] / max(1, c["merges"]),
+            "deltas_merged": c["deltas_merged"], "deltas_rejected": c["deltas_rejected"],
+            "contributions_clipped": c.get("contributions_clipped", 0), "simulated_s": run.now,
+            "discarded_fragment_steps_ratio": run.discarded_ratio(),
+        }
+    finally:
+        run.close()
