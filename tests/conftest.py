@@ -47,6 +47,7 @@ from ddiloco_geo.core.config import StorageConfig
 REPO = Path(__file__).resolve().parent.parent
 BACKENDS = ("local", "memory", "moto", "localstack", "gcs")
 S3_BACKENDS = ("moto", "localstack")
+IN_PROCESS_BACKENDS = ("local", "memory")  # no server behind them
 TEST_REGION = "us-east-1"
 
 # Fast retries for tests: a transient fault costs milliseconds, not seconds.
@@ -107,6 +108,14 @@ def storage_config_for(backend: str, location: str, endpoint: str | None = None,
     return StorageConfig(**settings)
 
 
+def backend_params(backends=BACKENDS) -> list:
+    """``backends`` as parametrize/fixture params, the in-process ones (local, memory) marked
+    ``unit``: a test module that starts nothing else puts those cases in the fast tier with
+    ``@pytest.mark.parametrize("backend_name", backend_params([...]))`` or by overriding the
+    ``backend`` fixture with ``params=backend_params()``."""
+    return [pytest.param(b, marks=pytest.mark.unit) if b in IN_PROCESS_BACKENDS else b for b in backends]
+
+
 def cli_args_for(cfg: StorageConfig) -> list[str]:
     """``--store``/``--set`` flags that make a ``ddiloco-geo`` subprocess open the same store."""
     args = ["--store", cfg.url]
@@ -158,6 +167,7 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, *, interval_s:
                what: str | Callable[[], str] = "condition"):
     """Poll ``predicate`` until it returns something truthy (returned) or ``deadline(timeout_s)``
     passes (AssertionError naming ``what``; a callable ``what`` is called then, e.g. for logs)."""
+    __tracebackhide__ = True
     limit_s = deadline(timeout_s)
     end = time.monotonic() + limit_s
     while True:
@@ -452,6 +462,6 @@ def store(make_store, backend):
 
 
 __all__ = [
-    "BACKENDS", "S3_BACKENDS", "TEST_RETRY", "cli_args_for", "create_gcs_bucket", "create_s3_bucket",
+    "BACKENDS", "IN_PROCESS_BACKENDS", "S3_BACKENDS", "TEST_RETRY", "backend_params", "cli_args_for", "create_gcs_bucket", "create_s3_bucket",
     "deadline", "free_port", "storage_config_for", "time_scale", "unique_name", "wait_until",
 ]

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from ddiloco_geo.core.clocks import FakeClock, MonotonicClock, Order, VectorClock
 from ddiloco_geo.core.errors import CodecError
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 ACTORS = ["a", "b", "c", "l-1", "syncer"]
 clocks = st.dictionaries(st.sampled_from(ACTORS), st.integers(0, 5)).map(VectorClock)
 fast = settings(max_examples=100, derandomize=True, deadline=None)

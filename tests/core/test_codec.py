@@ -16,6 +16,8 @@ from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.codec import CodecError, Header
 from ddiloco_geo.codec.framing import serialize
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 SHAPES = [(), (1,), (5,), (127,), (128,), (129,), (300, 7), (2, 3, 64), (0,), (4, 0)]
 
 

@@ -16,6 +16,8 @@ from ddiloco_geo.codec import CodecError, Header
 from ddiloco_geo.codec.framing import serialize
 from ddiloco_geo.tools.bench.codec import fragment
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 
 def header(**changes) -> Header:
     return Header(kind="delta", run_id="run-1", learner="l-1", seq=1, **changes)

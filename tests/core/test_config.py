@@ -6,6 +6,8 @@ import pytest
 from ddiloco_geo.core import config
 from ddiloco_geo.core.errors import ConfigError
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 
 def write_toml(tmp_path, text):
     path = tmp_path / "ddiloco.toml"

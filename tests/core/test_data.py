@@ -11,6 +11,8 @@ from ddiloco_geo.core.data import ShardReader, eval_batches, evaluate, load_corp
 from ddiloco_geo.core.errors import ConfigError
 from ddiloco_geo.core.model import build_model
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 
 @pytest.fixture(scope="module")
 def shakespeare():

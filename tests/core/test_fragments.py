@@ -36,6 +36,7 @@ def numel(shape) -> int:
     return n
 
 
+@pytest.mark.unit
 def test_every_tensor_in_exactly_one_sorted_nonempty_fragment():
     shapes = gpt_shapes()
     plan = plan_fragments(shapes, 8)
@@ -52,6 +53,7 @@ def test_every_tensor_in_exactly_one_sorted_nonempty_fragment():
         plan.fragment_of("nope")
 
 
+@pytest.mark.unit
 def test_lpt_places_largest_first_into_lightest_with_name_and_index_tie_breaks():
     shapes = {"b": (4,), "a": (4,), "c": (3,), "d": (2,), "e": (2,)}
     plan = plan_fragments(shapes, 2)
@@ -60,6 +62,7 @@ def test_lpt_places_largest_first_into_lightest_with_name_and_index_tie_breaks()
     assert plan.fragments == (("a", "c"), ("b", "d", "e"))
 
 
+@pytest.mark.unit
 def test_more_fragments_than_tensors_and_zero_size_tensors():
     plan = plan_fragments({"x": (3,), "y": (0,), "z": (0, 4)}, 24)
     assert plan.num_fragments == 3
@@ -68,6 +71,7 @@ def test_more_fragments_than_tensors_and_zero_size_tensors():
     assert all(plan.fragments)
 
 
+@pytest.mark.unit
 def test_plan_does_not_depend_on_dict_order():
     shapes = gpt_shapes()
     reordered = dict(reversed(list(shapes.items())))
@@ -109,6 +113,7 @@ def brute_force_opt(sizes: list[int], num: int) -> int:
     return best
 
 
+@pytest.mark.unit
 @settings(max_examples=300, derandomize=True, deadline=None)
 @given(st.lists(st.integers(1, 1000), min_size=1, max_size=8), st.integers(2, 4))
 def test_lpt_is_within_four_thirds_of_optimal(sizes, num):
@@ -121,6 +126,7 @@ def test_lpt_is_within_four_thirds_of_optimal(sizes, num):
     assert lpt * 3 * p <= (4 * p - 1) * opt  # Graham's exact bound (4/3 - 1/(3P))
 
 
+@pytest.mark.unit
 def test_json_round_trip_and_digest_stability():
     plan = plan_fragments(gpt_shapes(layers=2), 6)
     text = plan.to_json()
@@ -132,6 +138,7 @@ def test_json_round_trip_and_digest_stability():
     assert small.to_json() == '{"format":1,"fragments":[["a"],["b","c"]],"shapes":{"a":[2,3],"b":[4],"c":[]}}'
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "text",
     [
@@ -151,6 +158,7 @@ def test_from_json_rejects_invalid_plans(text):
     assert err.value.reason == "bad_plan"
 
 
+@pytest.mark.unit
 def test_plan_fragments_validates_arguments():
     with pytest.raises(ValueError):
         plan_fragments({}, 3)
@@ -158,6 +166,7 @@ def test_plan_fragments_validates_arguments():
         plan_fragments({"a": (1,)}, 0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("num, h", [(24, 24), (4, 24), (30, 24), (1, 1), (5, 7)])
 def test_each_fragment_due_exactly_once_every_h_steps(num, h):
     sched = Schedule(num, h)
@@ -171,17 +180,20 @@ def test_each_fragment_due_exactly_once_every_h_steps(num, h):
         assert all((s - sched.offset(p)) % h == 0 for s in steps)
 
 
+@pytest.mark.unit
 def test_p_equals_h_gives_one_fragment_per_step():
     sched = Schedule(24, 24)
     assert [len(sched.due(s)) for s in range(1, 100)] == [1] * 99
     assert sched.due(0) == [] and sched.due(-3) == []
 
 
+@pytest.mark.unit
 def test_fewer_and_more_fragments_than_h():
     assert sum(1 for s in range(1, 25) if not Schedule(4, 24).due(s)) == 20
     assert max(len(Schedule(48, 24).due(s)) for s in range(1, 25)) == 2
 
 
+@pytest.mark.unit
 def test_schedule_validates():
     with pytest.raises(ValueError):
         Schedule(0, 24)

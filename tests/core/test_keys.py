@@ -5,6 +5,8 @@ import pytest
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import LayoutError
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 SNAPSHOT = {
     "run_spec": "run.json",
     "global": "globals/f007/v0000000012.st",

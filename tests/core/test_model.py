@@ -27,6 +27,7 @@ def _num_params(model):
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(SIZES))
 def test_named_sizes_near_nominal(name):
     dims = resolve_dims(ModelConfig(name=name))
@@ -36,12 +37,14 @@ def test_named_sizes_near_nominal(name):
     assert 0.7 <= count_params(dims) / NOMINAL_PARAMS[name] <= 1.3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["nano", "tiny"])
 def test_small_sizes_build_for_real(name):
     model = build_model(ModelConfig(name=name))
     assert _num_params(model) == count_params(resolve_dims(ModelConfig(name=name)))
 
 
+@pytest.mark.unit
 def test_every_parameter_has_one_name_and_head_is_untied():
     model = build_model(ModelConfig(name="nano"))
     names = [n for n, _ in model.named_parameters()]
@@ -50,6 +53,7 @@ def test_every_parameter_has_one_name_and_head_is_untied():
     assert len(names) == len(set(names)) == len(list(model.parameters()))
 
 
+@pytest.mark.unit
 def test_explicit_dims_override_named_size_and_custom_needs_all():
     dims = resolve_dims(ModelConfig(name="tiny", n_layer=2))
     assert (dims.n_layer, dims.n_head, dims.n_embd) == (2, 4, 128)
@@ -63,6 +67,7 @@ def test_explicit_dims_override_named_size_and_custom_needs_all():
         resolve_dims(ModelConfig(name="huge"))
 
 
+@pytest.mark.unit
 def test_init_is_deterministic_from_seed_and_leaves_global_rng_alone():
     torch.manual_seed(123)
     expected_next = torch.rand(1)
@@ -76,6 +81,7 @@ def test_init_is_deterministic_from_seed_and_leaves_global_rng_alone():
     assert not torch.equal(a["wte.weight"], c["wte.weight"])
 
 
+@pytest.mark.unit
 def test_initial_loss_is_near_uniform():
     model = build_model(ModelConfig(name="nano"))
     idx = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -104,6 +110,7 @@ def test_a_few_adamw_steps_on_real_text_lower_the_loss():
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5
 
 
+@pytest.mark.unit
 def test_is_embedding_matches_name_parts():
     patterns = ["wte", "wpe", "embed", "lm_head"]
     assert is_embedding("wte.weight", patterns)
@@ -113,6 +120,7 @@ def test_is_embedding_matches_name_parts():
     assert not is_embedding("wte.weight", [])
 
 
+@pytest.mark.unit
 def test_get_and_set_tensors_with_alpha():
     model = build_model(ModelConfig(name="nano"))
     names = ["wte.weight", "blocks.1.ln_2.bias"]
@@ -185,6 +193,7 @@ def factory_module(tmp_path, monkeypatch):
     return "ddiloco_toy_factory"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("func", ["with_cfg", "no_args"])
 def test_factory_plug_in(factory_module, func):
     cfg = ModelConfig(factory=f"{factory_module}:{func}", seed=3)
@@ -193,6 +202,7 @@ def test_factory_plug_in(factory_module, func):
     assert torch.equal(a.embed.weight, b.embed.weight)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "spec, message",
     [

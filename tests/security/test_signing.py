@@ -71,6 +71,7 @@ def reason_of(data: bytes, **kwargs) -> str:
 # --- key derivation ------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_derived_keys_are_distinct_deterministic_and_domain_separated():
     ka, kb = signing.derive_key(SECRET, "learner", "a"), signing.derive_key(SECRET, "learner", "b")
     ks = signing.derive_key(SECRET, "syncer")
@@ -83,6 +84,7 @@ def test_derived_keys_are_distinct_deterministic_and_domain_separated():
     assert signing.derive_key(SECRET, "syncer", "x") == ks  # one syncer key for every shard
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("role, actor", [("admin", "a"), ("learner", ""), ("learner", "A"), ("learner", "a/b"),
                                          ("learner", "../x"), ("learner", "a:b")])
 def test_derive_key_refuses_bad_roles_and_ids(role, actor):
@@ -90,6 +92,7 @@ def test_derive_key_refuses_bad_roles_and_ids(role, actor):
         signing.derive_key(SECRET, role, actor)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("secret", ["", b"", None, 123])
 def test_derive_key_refuses_empty_or_non_text_secrets(secret):
     with pytest.raises(ValueError) as err:
@@ -97,6 +100,7 @@ def test_derive_key_refuses_empty_or_non_text_secrets(secret):
     assert "123" not in str(err.value)
 
 
+@pytest.mark.unit
 def test_key_ids():
     assert signing.key_id("learner", "a") == "learner:a"
     assert signing.key_id("syncer") == "syncer"
@@ -110,6 +114,7 @@ def test_key_ids():
 # --- Signer / Verifier ---------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_sign_and_verify():
     s = signing.signer_for(SECRET, "learner", "a")
     sig = s.sign(b"hello")
@@ -126,6 +131,7 @@ def test_sign_and_verify():
     assert not VERIFIER.verify("learner:a", b"hello", None)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_verifier_resolver_failures_are_false():
     def boom(kid):
         raise RuntimeError("resolver down")
@@ -136,6 +142,7 @@ def test_verifier_resolver_failures_are_false():
     assert not Verifier(lambda kid: b"").verify("learner:a", b"m", sig)
 
 
+@pytest.mark.unit
 def test_learner_verifier_accepts_only_the_syncer():
     v = signing.learner_verifier(SECRET)
     assert v.verify("syncer", b"m", signing.signer_for(SECRET, "syncer").sign(b"m"))
@@ -143,6 +150,7 @@ def test_learner_verifier_accepts_only_the_syncer():
     assert not v.knows("learner:a") and v.knows("syncer")
 
 
+@pytest.mark.unit
 def test_signer_refuses_short_keys_and_bad_key_ids():
     with pytest.raises(ValueError):
         Signer(b"short", "learner:a")
@@ -152,6 +160,7 @@ def test_signer_refuses_short_keys_and_bad_key_ids():
         signing.syncer_verifier(b"")
 
 
+@pytest.mark.unit
 def test_keys_never_appear_in_repr_str_pickle_or_errors():
     key = signing.derive_key(SECRET, "learner", "a")
     s = Signer(key, "learner:a")
@@ -181,6 +190,7 @@ def test_keys_never_appear_in_repr_str_pickle_or_errors():
 # --- signed objects ------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("codec_name", codec.CODECS)
 def test_round_trip(codec_name):
     data = signed("a", codec_name)
@@ -198,6 +208,7 @@ def test_round_trip(codec_name):
     assert meta["signer"] == "learner:a"
 
 
+@pytest.mark.unit
 def test_signed_objects_still_decode_without_a_verifier_and_read_header_is_unverified():
     data = signed("a")
     header, _ = codec.decode(data)
@@ -208,6 +219,7 @@ def test_signed_objects_still_decode_without_a_verifier_and_read_header_is_unver
     assert reason_of(forged, verify=VERIFIER) == "bad_signature"
 
 
+@pytest.mark.unit
 def test_syncer_signed_global_round_trip_and_learner_key_cannot_pass_as_syncer():
     header = Header(kind="global", run_id="run-1", fragment=0, version=7, clock=VectorClock({"syncer": 7}))
     good = codec.encode(tensors(), header, signer=signing.signer_for(SECRET, "syncer"))
@@ -225,6 +237,7 @@ def test_syncer_signed_global_round_trip_and_learner_key_cannot_pass_as_syncer()
     assert reason_of(join(meta, body), verify=learner_view, expected_signer="syncer") == "bad_signature"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("field, value", [
     ("num_tokens", "999999"), ("num_steps", "1"), ("learner", "b"), ("seq", "4"), ("fragment", "3"),
     ("base_version", "5"), ("run_id", "run-2"), ("extra", '{"step_s":0.2}'), ("clock", '{"a":9}'),
@@ -237,6 +250,7 @@ def test_tampered_header_field_is_bad_signature(field, value):
     assert reason_of(join(meta, body), verify=VERIFIER) == "bad_signature"
 
 
+@pytest.mark.unit
 def test_added_or_removed_metadata_field_is_bad_signature():
     meta, body = split(signed("a"))
     meta["__metadata__"]["note"] = "x"
@@ -249,6 +263,7 @@ def test_added_or_removed_metadata_field_is_bad_signature():
     assert reason_of(join(meta, body), verify=VERIFIER) == "bad_signature"
 
 
+@pytest.mark.unit
 def test_tampered_tensor_byte_is_checksum_and_re_hashed_tensor_is_bad_signature():
     data = bytearray(signed("a"))
     data[-3] ^= 0x01
@@ -267,6 +282,7 @@ def test_tampered_tensor_byte_is_checksum_and_re_hashed_tensor_is_bad_signature(
     assert codec.decode(join(meta, bytes(body)))  # without a verifier it decodes: the point of signing
 
 
+@pytest.mark.unit
 def test_swapped_signature_is_bad_signature():
     a, b = split(signed("a")), split(codec.encode(tensors(), delta_header("a", seq=4),
                                                   signer=signing.signer_for(SECRET, "learner", "a")))
@@ -274,6 +290,7 @@ def test_swapped_signature_is_bad_signature():
     assert reason_of(join(*a), verify=VERIFIER) == "bad_signature"
 
 
+@pytest.mark.unit
 def test_other_learners_key():
     # b signs an object that claims to be a's (header learner a, signer b): wrong_signer
     by_b = codec.encode(tensors(), delta_header("a"), signer=signing.signer_for(SECRET, "learner", "b"))
@@ -287,6 +304,7 @@ def test_other_learners_key():
     assert reason_of(codec.encode(tensors(), delta_header("a"), signer=fake), verify=VERIFIER) == "bad_signature"
 
 
+@pytest.mark.unit
 def test_missing_signature():
     plain = codec.encode(tensors(), delta_header("a"))
     assert reason_of(plain, verify=VERIFIER, require_signature=True) == "unsigned"
@@ -299,6 +317,7 @@ def test_missing_signature():
     assert codec.decode(join(meta, body), verify=VERIFIER)[0].signer == ""
 
 
+@pytest.mark.unit
 def test_require_signature_without_a_verifier_is_a_programming_error():
     with pytest.raises(ValueError):
         codec.decode(signed("a"), require_signature=True)
@@ -306,6 +325,7 @@ def test_require_signature_without_a_verifier_is_a_programming_error():
         codec.encode(tensors(), delta_header("a"), signer="learner:a")  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_unknown_key_id():
     meta, body = split(signed("a"))
     for kid in ("learner:zz", "admin", "learner:A", "", "x" * 500):
@@ -316,10 +336,12 @@ def test_unknown_key_id():
     assert reason_of(signed("b"), verify=only_a) == "bad_signature"
 
 
+@pytest.mark.unit
 def test_wrong_secret_is_bad_signature():
     assert reason_of(signed("a", secret=OTHER_SECRET), verify=VERIFIER, require_signature=True) == "bad_signature"
 
 
+@pytest.mark.unit
 def test_signature_is_checked_after_the_checksum_and_before_nonfinite():
     # NaN in the tensors, signed by a stranger: checksum matches, so the signature decides
     meta, body = split(codec.encode(tensors(), delta_header("a")))

@@ -9,6 +9,8 @@ import pytest
 from ddiloco_geo.core.errors import ConfigError
 from ddiloco_geo.tools.sim.bandwidth import BandwidthModel, bandwidth_rows, ddiloco_gbps, dp_gbps
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 M = BandwidthModel()
 
 

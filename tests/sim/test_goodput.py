@@ -13,6 +13,8 @@ from ddiloco_geo.tools.sim.goodput import (ClusterModel, ddiloco_outcome, dp_out
                                            elastic_outcome, simulate_grid)
 from ddiloco_geo.tools.sim.sensitivity import FITTED, FIXED, sensitivity_rows
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 MODEL = ClusterModel()
 
 

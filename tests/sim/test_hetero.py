@@ -7,6 +7,8 @@ import pytest
 from ddiloco_geo.core.errors import ConfigError
 from ddiloco_geo.tools.sim.hetero import HeteroConfig, simulate_hetero, simulate_policy
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 CFG = HeteroConfig(horizon_steps=1500)
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from ddiloco_geo.tools.sim.scavenge import ScavengeConfig, scavenge_rows
 
+pytestmark = pytest.mark.unit  # no servers, no subprocesses
+
 
 def rows_by(rows):
     return {(r["system"], r["extra_ratio"]): r for r in rows}

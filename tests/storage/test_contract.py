@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from conftest import backend_params
 
 from ddiloco_geo.core.errors import LayoutError, NotFoundError, PreconditionFailedError, StorageError
 from ddiloco_geo.storage import check_key
+
+
+@pytest.fixture(params=backend_params())
+def backend(request) -> str:
+    """Every backend; the local and memory cases are in the unit tier (no server)."""
+    return request.param
 
 
 def test_put_if_absent_creates_once_and_answers_false_after(store):
@@ -120,6 +127,7 @@ def test_invalid_keys_are_rejected(store, key):
         store.get(key)
 
 
+@pytest.mark.unit
 def test_invalid_key_message_says_what_is_wrong():
     with pytest.raises(LayoutError, match=r"'\.\.'"):
         check_key("a/../b")

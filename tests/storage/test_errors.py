@@ -37,6 +37,7 @@ def test_no_credentials_in_errors_or_logs(moto_endpoint, monkeypatch, caplog):
     assert "SeCrEtSentinel" not in text
 
 
+@pytest.mark.unit
 def test_transient_errors_keep_the_secret_out_of_retry_logs(monkeypatch, caplog):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SENTINEL_SECRET)
     port = free_port()  # nothing listens here
@@ -47,6 +48,7 @@ def test_transient_errors_keep_the_secret_out_of_retry_logs(monkeypatch, caplog)
     assert SENTINEL_SECRET not in str(info.value) + caplog.text
 
 
+@pytest.mark.unit
 def test_scrub_removes_credential_shapes():
     register_secret("literal-secret-value-123")
     text = (
@@ -62,6 +64,7 @@ def test_scrub_removes_credential_shapes():
     assert "GET https://b.s3.amazonaws.com/k" in clean
 
 
+@pytest.mark.unit
 def test_store_url_never_contains_credentials(tmp_path):
     from ddiloco_geo.core.config import StorageConfig
 
@@ -95,6 +98,7 @@ def test_stopped_server_gives_transient_error_after_retries():
         store.close()
 
 
+@pytest.mark.unit
 def test_unreachable_gcs_endpoint_is_transient():
     cfg = storage_config_for("gcs", "bucket/run", f"http://127.0.0.1:{free_port()}", **_fast())
     with open_store(cfg) as store:
@@ -109,6 +113,7 @@ class _BotoLike(Exception):
         self.response = {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "exc, expected",
     [
@@ -137,6 +142,7 @@ def test_translation_table(exc, expected):
     assert out.reason
 
 
+@pytest.mark.unit
 def test_translation_of_library_exceptions():
     import aiohttp
     import botocore.exceptions as bx

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import backend_params
 
 from ddiloco_geo.core.errors import NotFoundError, PreconditionFailedError, TransientStorageError
 from ddiloco_geo.storage import FaultPlan, Store
@@ -14,7 +15,7 @@ def _schedule(op: str, key: str, kinds: list[str]) -> FaultPlan:
     return FaultPlan(schedule={(op, key, attempt): kind for attempt, kind in enumerate(kinds, start=1)})
 
 
-@pytest.mark.parametrize("backend_name", ["memory", "local", "moto", "gcs"])
+@pytest.mark.parametrize("backend_name", backend_params(["memory", "local", "moto", "gcs"]))
 def test_lost_response_on_create_answers_false_and_object_holds_the_data(make_store, backend_name):
     store = make_store(backend_name, faults=_schedule("put_if_absent", "run.json", ["lost_response"]), **FAST)
     assert store.put_if_absent("run.json", b"spec") is False  # our own earlier attempt created it
@@ -22,6 +23,7 @@ def test_lost_response_on_create_answers_false_and_object_holds_the_data(make_st
     assert store.stats.snapshot()["retries"] == {"lost_response": 1}
 
 
+@pytest.mark.unit
 def test_lost_response_on_cas_surfaces_as_precondition_and_the_write_landed(make_store):
     store = make_store("memory", faults=_schedule("cas", "HEAD", ["lost_response"]), **FAST)
     with pytest.raises(PreconditionFailedError):
@@ -29,7 +31,7 @@ def test_lost_response_on_cas_surfaces_as_precondition_and_the_write_landed(make
     assert store.get("HEAD") == b"mine"  # callers re-read and find their own value
 
 
-@pytest.mark.parametrize("backend_name", ["memory", "local", "moto", "gcs"])
+@pytest.mark.parametrize("backend_name", backend_params(["memory", "local", "moto", "gcs"]))
 def test_torn_writes_never_leave_a_visible_object(make_store, backend_name):
     plan = FaultPlan(schedule={
         ("put_if_absent", "a/obj", 1): "torn_write",
@@ -49,6 +51,7 @@ def test_torn_writes_never_leave_a_visible_object(make_store, backend_name):
     assert store.get("a/obj") == b"whole"
 
 
+@pytest.mark.unit
 def test_torn_write_leaves_a_stray_temp_file_on_local_that_listing_ignores(make_storage_config):
     import os
 
@@ -74,6 +77,7 @@ def _run_seeded(make_store, seed: int) -> list:
     return list(store.backend.injected), store.stats.snapshot()
 
 
+@pytest.mark.unit
 def test_same_seed_gives_same_fault_sequence(make_store):
     first, snap1 = _run_seeded(make_store, seed=7)
     second, snap2 = _run_seeded(make_store, seed=7)
@@ -84,6 +88,7 @@ def test_same_seed_gives_same_fault_sequence(make_store):
     assert {kind for *_, kind in first} <= {"slowdown", "timeout", "lost_response", "torn_write"}
 
 
+@pytest.mark.unit
 def test_fault_plan_decisions_are_a_pure_function():
     plan = FaultPlan(seed=3, rate=0.5, ops=("get",))
     decisions = [plan.decide("get", f"k{i}", a) for i in range(50) for a in (1, 2)]
@@ -95,6 +100,7 @@ def test_fault_plan_decisions_are_a_pure_function():
     assert FaultPlan(seed=3, rate=1.0).decide("get", "k", 1) is not None
 
 
+@pytest.mark.unit
 def test_fault_plan_rejects_unknown_kinds_and_ops():
     with pytest.raises(ValueError, match="fault kind"):
         FaultPlan(kinds=("meteor",))

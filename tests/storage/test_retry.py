@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from conftest import backend_params
 
 from ddiloco_geo.core.errors import NotFoundError, PreconditionFailedError, TransientStorageError
 from ddiloco_geo.storage import FaultPlan, Store
@@ -16,7 +17,7 @@ def _schedule(op: str, key: str, kinds: list[str]) -> FaultPlan:
     return FaultPlan(schedule={(op, key, attempt): kind for attempt, kind in enumerate(kinds, start=1)})
 
 
-@pytest.mark.parametrize("backend_name", ["memory", "local", "moto"])
+@pytest.mark.parametrize("backend_name", backend_params(["memory", "local", "moto"]))
 @pytest.mark.parametrize("kind", ["slowdown", "timeout"])
 def test_transient_faults_are_retried_until_success(make_store, backend_name, kind, caplog):
     plan = FaultPlan(schedule={("get", "k", 1): kind, ("get", "k", 2): kind, ("put_if_absent", "k", 1): kind})
@@ -32,6 +33,7 @@ def test_transient_faults_are_retried_until_success(make_store, backend_name, ki
     assert "op=get key=k attempt=1 error=" + kind in retry_lines[1]
 
 
+@pytest.mark.unit
 def test_retries_exhausted_raise_transient(make_store):
     plan = _schedule("get", "k", ["slowdown", "timeout", "slowdown", "timeout"])
     store = make_store("memory", faults=plan, **FAST)
@@ -44,6 +46,7 @@ def test_retries_exhausted_raise_transient(make_store):
     assert snap["errors"] == {"timeout": 1}
 
 
+@pytest.mark.unit
 def test_not_found_is_attempted_exactly_once(make_store):
     store = make_store("memory", **FAST)
     with pytest.raises(NotFoundError):
@@ -55,7 +58,7 @@ def test_not_found_is_attempted_exactly_once(make_store):
     assert snap["retries"] == {}
 
 
-@pytest.mark.parametrize("backend_name", ["memory", "moto", "gcs"])
+@pytest.mark.parametrize("backend_name", backend_params(["memory", "moto", "gcs"]))
 def test_precondition_failed_is_attempted_exactly_once(make_store, backend_name):
     store = make_store(backend_name, **FAST)
     token = store.cas("HEAD", b"1", None)
@@ -66,6 +69,7 @@ def test_precondition_failed_is_attempted_exactly_once(make_store, backend_name)
     assert store.stats.snapshot()["retries"] == {}
 
 
+@pytest.mark.unit
 def test_backoff_is_capped_full_jitter(make_store):
     sleeps: list[float] = []
     base = make_store("memory", faults=_schedule("get", "k", ["slowdown"] * 7))
