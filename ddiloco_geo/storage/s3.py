@@ -6,7 +6,7 @@ A 412 on create is the answer "already exists"; a 404 on ``If-Match`` (the objec
 since its token was read) is a lost CAS. Ranged gets use the ``Range`` header; a range starting at
 or past the end (``InvalidRange``) reads as empty.
 
-botocore's own retries are switched off (``max_attempts=1``) so that retries happen once, in the
+botocore's own retries are switched off (``total_max_attempts=1``) so that retries happen once, in the
 store. With ``storage.endpoint_url`` (MinIO, moto, LocalStack, a WAN proxy) addressing is
 path-style. Once the client has resolved credentials, their secret parts are registered with
 :func:`~ddiloco_geo.storage.translate.register_secret` so no error message can carry them.
@@ -36,7 +36,7 @@ class S3Backend(Backend):
         self.bucket, self.prefix = split_bucket(cfg.url, "s3://")
         self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         config_kwargs: dict[str, Any] = {
-            "retries": {"max_attempts": 1, "mode": "standard"},  # retries are ours, once
+            "retries": {"total_max_attempts": 1, "mode": "standard"},  # one attempt: retries are ours, once
             "connect_timeout": cfg.timeout_s,
             "read_timeout": cfg.timeout_s,
             "max_pool_connections": 64,

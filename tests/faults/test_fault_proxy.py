@@ -160,8 +160,6 @@ def _s3_error_code(cfg) -> str:
     return err.reason
 
 
-@pytest.mark.xfail(strict=True, reason="storage/s3.py sets botocore retries.max_attempts=1, which is one retry "
-                   "(two attempts) under the store's own loop; total_max_attempts=1 would be one attempt")
 @pytest.mark.parametrize("s3_backend", ["moto+faults", "localstack+faults"])
 def test_s3_client_makes_one_attempt_per_store_attempt(make_storage_config, fault_proxies, s3_backend):
     cfg = make_storage_config(s3_backend, plan=HttpFaultPlan())
