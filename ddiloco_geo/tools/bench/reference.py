@@ -29,6 +29,7 @@ from ddiloco_geo.core import data as datamod
 from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.merge import merge_fragment
 from ddiloco_geo.core.outer import OuterOptimizer
+from ddiloco_geo.learner.data import eval_batches_for, make_reader
 from ddiloco_geo.learner.schedule import lr_schedule
 from ddiloco_geo.tools.inprocess import Fault, InProcessRun, LearnerSpeed
 
@@ -42,17 +43,14 @@ class Result:
 
 
 class Data:
-    """The corpus split, per-learner shard readers and the eval batches, from settings."""
+    """Per-learner readers (exactly the learners' slices) and the held-out eval batches, from
+    settings; either kind of corpus (text, or ``tokens:`` shards)."""
 
     def __init__(self, settings, num_learners: int) -> None:
-        corpus = datamod.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
-        self.train, eval_data = datamod.split(corpus, settings.data.eval_ratio)
-        self.readers = [datamod.ShardReader(self.train, shard=i, num_shards=num_learners,
-                                            block_size=settings.model.block_size,
-                                            batch_size=settings.learner.batch_size, seed=settings.model.seed + i)
-                        for i in range(num_learners)]
-        self.eval = datamod.eval_batches(eval_data, settings.model.block_size, settings.learner.batch_size,
-                                         settings.data.eval_batches)
+        d, b, n = settings.data, settings.model.block_size, settings.learner.batch_size
+        self.readers = [make_reader(d, block_size=b, batch_size=n, seed=settings.model.seed + i, slice_index=i,
+                                    num_slices=num_learners) for i in range(num_learners)]
+        self.eval = eval_batches_for(d, block_size=b, batch_size=n)
 
 
 def _optimizer(model: torch.nn.Module, cfg, lr: float) -> torch.optim.Optimizer:
@@ -149,7 +147,9 @@ def train_harness(settings, speeds: list[LearnerSpeed], *, seed: int, faults: li
         modelmod.set_tensors(model, run.global_params())
         c = status["counters"]
         return {
-            "eval_loss": datamod.evaluate(model, Data(settings, len(speeds)).eval), "tokens": run.tokens_total(),
+            "eval_loss": datamod.evaluate(model, eval_batches_for(settings.data, block_size=settings.model.block_size,
+                                                                  batch_size=settings.learner.batch_size)),
+            "tokens": run.tokens_total(),
             "merges": c["merges"], "mean_contributors": c["contributors_total"] / max(1, c["merges"]),
             "deltas_merged": c["deltas_merged"], "deltas_rejected": c["deltas_rejected"],
             "contributions_clipped": c.get("contributions_clipped", 0), "simulated_s": run.now,
