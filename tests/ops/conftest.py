@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import deadline
 
 from ddiloco_geo.core import layout
 
@@ -84,7 +85,7 @@ def cli(*argv: str, env: dict | None = None, timeout: float = 300) -> subprocess
     full_env.update(env or {})
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "ddiloco_geo", *argv], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=deadline(timeout))
 
 
 def cli_json(*argv: str, expect_rc: int = 0, **kw) -> dict:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from conftest import wait_until
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -152,12 +153,16 @@ def test_snapshots_while_a_syncer_keeps_merging_in_another_thread(tiny_run):
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
+    def published() -> list[int]:
+        return [syncer.fragments[p].version for p in range(run.spec.plan.num_fragments)]
+
     t = threading.Thread(target=train)
     t.start()
     manifests = []
     try:
-        for i in range(6):
-            time.sleep(0.05)
+        for i in range(6):  # each snapshot after at least one more merge, however slow the machine
+            seen = published()
+            wait_until(lambda: errors or published() != seen, 60, interval_s=0.01, what="a merge between snapshots")
             manifests.append(take_snapshot(run.store, run.spec, f"live-{i}"))
     finally:
         stop.set()

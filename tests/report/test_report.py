@@ -9,10 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import deadline, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def ddiloco(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "ddiloco_geo", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=deadline(timeout))
 
 
 def listing(root: Path) -> dict[str, int]:
@@ -48,13 +48,12 @@ def reported(recorded):
     """One report of the finished run, with the store listed before and after."""
     store = recorded / "store"
     before = listing(store)
-    t0 = time.monotonic()
     proc = ddiloco("report", f"file://{store}", "--out", str(recorded / "report"), "--json", "--eval-points", "5",
                    "--eval-batches", "4", "--set", "data.max_bytes=400000", cwd=recorded)
     assert proc.returncode == 0, proc.stderr[-4000:]
     after = listing(store)
     return {"dir": recorded / "report", "summary": json.loads(proc.stdout), "stderr": proc.stderr,
-            "before": before, "after": after, "seconds": time.monotonic() - t0}
+            "before": before, "after": after}
 
 
 def test_report_writes_every_chart_and_the_page(reported):
@@ -142,15 +141,13 @@ def test_report_of_a_live_run(tmp_path):
     learner = subprocess.Popen([sys.executable, "-m", "ddiloco_geo", "learner", "--id", "live-0", *common],
                                cwd=tmp_path, env=env, stdout=logs["learner"], stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:  # training, with a few merges published
+        def training_with_merges() -> bool:  # a few merges published, and both processes alive
             tape = list((store / "syncer" / "tape").rglob("v*.json")) if store.exists() else []
             merges = [p for p in tape if not p.name.endswith("0000000000.json")]
-            if len(merges) >= 4 and (store / "learners" / "live-0" / "heartbeat.json").exists():
-                break
             assert learner.poll() is None and syncer.poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no merges published in time"
-            time.sleep(0.5)
+            return len(merges) >= 4 and (store / "learners" / "live-0" / "heartbeat.json").exists()
+
+        wait_until(training_with_merges, 180, interval_s=0.5, what="four merges published")
         proc = ddiloco("report", f"file://{store}", "--out", str(tmp_path / "report"), "--json", "--eval-points", "3",
                        "--eval-batches", "1", *common[:2], cwd=tmp_path)
         assert learner.poll() is None, "the learner stopped before the report finished"
@@ -159,7 +156,7 @@ def test_report_of_a_live_run(tmp_path):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 try:
-                    p.wait(timeout=90)
+                    p.wait(timeout=deadline(90))
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()

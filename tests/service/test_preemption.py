@@ -9,10 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import deadline, free_port, wait_until
 
 from ddiloco_geo.core import config
 
@@ -54,13 +54,9 @@ class Job:
         except Exception:
             return {}
 
-    def wait_step(self, learner: str, step: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if (self.heartbeat(learner).get("step") or 0) >= step:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"{learner} did not reach step {step}; log: {self.logs()}")
+    def wait_step(self, learner: str, step: int, timeout_s: float = 300) -> None:
+        wait_until(lambda: (self.heartbeat(learner).get("step") or 0) >= step, timeout_s, interval_s=0.2,
+                   what=lambda: f"{learner} at step {step}; log: {self.logs()}")
 
     def exit_record(self, learner: str) -> dict:
         return json.loads(self.store.get(layout.exit_key(learner)))
@@ -74,7 +70,7 @@ class Job:
                 proc.send_signal(signal.SIGTERM)
         for proc in self.procs:
             try:
-                proc.wait(timeout=120)
+                proc.wait(timeout=deadline(120))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -95,27 +91,27 @@ def test_spot_notice_flushes_checkpoints_and_exits_zero_then_resumes(job):
         learner = job.start("learner", "--id", "spot-1", "--set", "agent.provider=aws",
                             "--set", f"agent.metadata_url={metadata.url}", "--set", "agent.poll_s=0.2")
         job.wait_step("spot-1", 20)
-        noticed = time.monotonic()
         metadata.trigger_spot(action="terminate")
-        assert learner.wait(timeout=60) == 0, job.logs()
-        notice_to_exit = time.monotonic() - noticed
+        assert learner.wait(timeout=deadline(60)) == 0, job.logs()
         first = job.exit_record("spot-1")
         assert first["reason"] == "aws-spot"
-        assert first["flushed"] is True
+        assert first["flushed"] is True  # within its own flush_deadline_s (how fast: bench, not here)
         assert first["checkpoint"].startswith("learners/spot-1/checkpoints/")
-        assert notice_to_exit < 30, notice_to_exit  # fits GCE's 30 s notice
-        # every fragment's unsent work was flushed: the last delta of each fragment is at the last step
+        # every fragment's unsent work was flushed: its last delta is at the last step, unless a global
+        # adopted at that very step left it nothing unsent; the checkpoint's last_sent_step says which
         headers = [protocol.read_header(job.store, k) for k in job.store.list(layout.deltas_dir("spot-1"))]
         last = {}
         for h in headers:
             last[h.fragment] = max(last.get(h.fragment, 0), h.extra["step"])
-        assert set(last) == set(range(8)) and set(last.values()) == {first["step"]}
+        ckpt = protocol.read_header(job.store, first["checkpoint"])
+        assert ckpt.extra["last_sent_step"] == [first["step"]] * 8
+        assert set(last) == set(range(8)) and max(last.values()) == first["step"]
 
         # the same learner restarted (a new spot VM) resumes from its checkpoint
         again = job.start("learner", "--id", "spot-1")
         job.wait_step("spot-1", first["step"] + 10)
         again.send_signal(signal.SIGTERM)
-        assert again.wait(timeout=60) == 0, job.logs()
+        assert again.wait(timeout=deadline(60)) == 0, job.logs()
         second = job.exit_record("spot-1")
         assert second["resumed_from"] == first["checkpoint"]
         assert second["reason"] == "sigterm"
@@ -123,7 +119,7 @@ def test_spot_notice_flushes_checkpoints_and_exits_zero_then_resumes(job):
         seqs = [layout.parse_delta_key(k).seq for k in job.store.list(layout.deltas_dir("spot-1"))]
         assert seqs == list(range(len(seqs)))  # the sequence continues across incarnations
         syncer.send_signal(signal.SIGTERM)
-        assert syncer.wait(timeout=120) == 0, job.logs()
+        assert syncer.wait(timeout=deadline(120)) == 0, job.logs()
         ledger = protocol.ledger(job.store)
         assert ledger["deltas_unaccounted"] == 0 and ledger["deltas_merged"] == len(seqs)
     finally:
@@ -138,7 +134,7 @@ def test_gce_preemption_notice(job):
                             "--set", f"agent.metadata_url={metadata.url}")
         job.wait_step("gce-1", 10)
         metadata.preempt()
-        assert learner.wait(timeout=60) == 0, job.logs()
+        assert learner.wait(timeout=deadline(60)) == 0, job.logs()
         assert job.exit_record("gce-1")["reason"] == "gce-preempted"
     finally:
         metadata.stop()
@@ -150,9 +146,11 @@ def test_scavenged_learner_is_merged_within_two_fragment_periods(job):
     job.wait_step("base-1", 24)
     job.start("learner", "--id", "scavenged-1")  # capacity that appears mid-run
     job.wait_step("scavenged-1", 2 * 8 + 4)  # two fragment periods (H = 8) and a little slack
-    time.sleep(2.0)
-    merged = [e for r in protocol.merge_records(job.store) for e in r.get("merged", []) if e["learner"] == "scavenged-1"]
-    assert merged, job.logs()
+
+    def merged_entries() -> list[dict]:
+        return [e for r in protocol.merge_records(job.store) for e in r.get("merged", []) if e["learner"] == "scavenged-1"]
+
+    merged = wait_until(merged_entries, 60, interval_s=0.3, what=lambda: f"a merge of scavenged-1; log: {job.logs()}")
     first = min(merged, key=lambda e: e["seq"])
     assert first["seq"] == 0
     # its first delta was taken against a version newer than 0: it joined from the latest globals
@@ -164,20 +162,24 @@ def scrape(port: int, path: str) -> tuple[int, str]:
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=deadline(5)) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
 
 
 def test_metrics_and_health_endpoints_are_scraped_from_live_processes(job):
-    from tests.conftest import free_port
-
     sport, lport = free_port(), free_port()
     job.start("syncer", "--set", f"metrics.address=127.0.0.1:{sport}")
     job.start("learner", "--id", "metered", "--set", f"metrics.address=127.0.0.1:{lport}")
     job.wait_step("metered", 30)
-    time.sleep(2.5)  # one syncer status period
+
+    def syncer_has_merged() -> bool:  # its counters are exported once per status period
+        code, text = scrape(sport, "/metrics")
+        merged = [l for l in text.splitlines() if l.startswith("ddiloco_syncer_deltas_merged_total")]
+        return code == 200 and bool(merged) and float(merged[0].split(" ")[-1]) > 0
+
+    wait_until(syncer_has_merged, 60, interval_s=0.3, what=lambda: f"a merge on the syncer's /metrics; log: {job.logs()}")
     code, text = scrape(lport, "/metrics")
     assert code == 200
     values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in text.splitlines()

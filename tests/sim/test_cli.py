@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import deadline
 
 from ddiloco_geo.cli.main import main
 
@@ -37,7 +38,7 @@ def test_calibrate_json_prints_constants(capsys):
 
 def test_json_mode_keeps_stdout_clean(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ddiloco_geo", "simulate", "bandwidth", "--json",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=deadline(120))
     assert proc.returncode == 0
     json.loads(proc.stdout)
     assert "done" in proc.stderr

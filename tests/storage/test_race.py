@@ -6,6 +6,8 @@ import multiprocessing
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from conftest import deadline
+
 from ddiloco_geo.core.errors import PreconditionFailedError
 from ddiloco_geo.storage import open_store
 
@@ -99,9 +101,9 @@ def test_local_cas_across_processes_has_one_winner(make_storage_config):
         ]
         for p in procs:
             p.start()
-        outcomes = [results.get(timeout=30) for _ in range(2 * num_procs)]
+        outcomes = [results.get(timeout=deadline(30)) for _ in range(2 * num_procs)]
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=deadline(30))
             assert p.exitcode == 0
         winners = [o for o in outcomes if isinstance(o, str)]
         creators = [o for o in outcomes if isinstance(o, tuple) and o[1]]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, cli_args_for
+from conftest import REPO, cli_args_for, deadline
 from ddiloco_geo.cli.main import main
 from ddiloco_geo.storage import open_store
 
@@ -50,7 +50,7 @@ def test_selfcheck_as_a_subprocess(make_storage_config):
     cfg = make_storage_config("moto")
     proc = subprocess.run(
         [sys.executable, "-m", "ddiloco_geo", "selfcheck", *cli_args_for(cfg), "--json"],
-        cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=120,
+        cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=deadline(120),
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ok"] is True
