@@ -234,7 +234,7 @@ _SKIPPED = pytest.StashKey[list]()
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
-    if report.skipped:
+    if report.skipped and not hasattr(report, "wasxfail"):  # xfail is its own outcome (-ra lists it)
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         item.config.stash[_SKIPPED].append(
             {"nodeid": item.nodeid, "when": report.when, "reason": reason,
