@@ -17,7 +17,6 @@ from ddiloco_geo.core.model import build_model, embedding_names, embedding_rule,
 from ddiloco_geo.ops.export_hf import byte_tokenizer_json, gpt2_config, gpt2_state_dict
 from ddiloco_geo.ops.report.charts import tokens_all_learners
 
-pytestmark = pytest.mark.unit
 
 LLAMA = dict(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -27,6 +26,7 @@ def llama_cfg(**kw) -> ModelConfig:
     return ModelConfig(hf_class="LlamaConfig", hf_kwargs={**LLAMA, **kw}, block_size=32, seed=3)
 
 
+@pytest.mark.unit
 def test_hf_model_from_a_config_class_is_deterministic_and_keeps_the_contract():
     a, b = build_model(llama_cfg()), build_model(llama_cfg())
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
@@ -38,6 +38,7 @@ def test_hf_model_from_a_config_class_is_deterministic_and_keeps_the_contract():
     assert sorted(n for f in plan.fragments for n in f) == sorted(n for n, _ in a.named_parameters())
 
 
+@pytest.mark.unit
 def test_hf_model_from_a_local_config_directory(tmp_path):
     from transformers import LlamaConfig
 
@@ -52,6 +53,7 @@ def test_hf_model_from_a_local_config_directory(tmp_path):
         build_model(ModelConfig(hf_class="NoSuchConfig"))
 
 
+@pytest.mark.unit
 def test_embeddings_are_found_from_module_types_tied_or_not():
     untied = build_model(llama_cfg())
     assert embedding_names(untied) == {"lm.model.embed_tokens.weight", "lm.lm_head.weight"}
@@ -72,6 +74,7 @@ def test_embeddings_are_found_from_module_types_tied_or_not():
     assert embedding_names(gpt) == {"wte.weight", "wpe.weight", "lm_head.weight"}
 
 
+@pytest.mark.unit
 def test_builtin_gpt_maps_exactly_onto_gpt2():
     from transformers import GPT2LMHeadModel
 
@@ -89,6 +92,7 @@ def test_builtin_gpt_maps_exactly_onto_gpt2():
         assert torch.allclose(ours(idx)[0], gpt2(input_ids=idx).logits, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_byte_tokenizer_ids_are_byte_values():
     from tokenizers import Tokenizer
 
@@ -107,6 +111,7 @@ def test_generate_is_greedy_with_top_k_1_and_reproducible():
     assert generate(m, prompt, 20, block_size=32, top_k=8, seed=5) == generate(m, prompt, 20, block_size=32, top_k=8, seed=5)
 
 
+@pytest.mark.unit
 def test_local_chart_puts_learner_curves_on_the_all_learner_token_axis():
     hist = {"a": [{"time": 10.0, "tokens": 100}, {"time": 20.0, "tokens": 200}],
             "b": [{"time": 15.0, "tokens": 50}, {"time": 25.0, "tokens": 100}]}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_args_for
+from tests.conftest import cli_args_for, deadline
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +23,7 @@ SMALL = [
 
 
 def ddiloco(*argv: str, cwd: Path, timeout: float = 420, env: dict | None = None) -> subprocess.CompletedProcess:
+    timeout = deadline(timeout)
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "ddiloco_geo", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -107,7 +108,7 @@ def test_learner_under_torchrun_with_two_ranks(tmp_path):
         learner = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              "-m", "ddiloco_geo", "learner", "--id", "ddp-learner", "--json", *common],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=deadline(300),
         )
         assert learner.returncode == 0, learner.stderr[-4000:]
         lines = [l for l in learner.stdout.splitlines() if l.startswith("{")]
@@ -119,7 +120,7 @@ def test_learner_under_torchrun_with_two_ranks(tmp_path):
         assert result["uploads"]["deltas_sent"] >= 8
     finally:
         syncer.terminate()
-        out, _ = syncer.communicate(timeout=120)
+        out, _ = syncer.communicate(timeout=deadline(120))
     assert syncer.returncode == 0, out[-3000:]
     from ddiloco_geo.core import config
     from ddiloco_geo import protocol
