@@ -656,7 +656,7 @@ def test_junk_in_an_honest_prefix_cannot_silence_or_quarantine_it(live):
     live.put_raw(f"learners/{A}/deltas/zzz-sorts-last", b"junk")
     huge = live.put(layout.delta_key(A, 10**12 - 1, 0), live.delta(A, 10**12 - 1, 0, signer=None))
     b_key = sorted(live.merged_keys() & set(live.store.list(layout.deltas_dir(HONEST[1]))))[-1]
-    copied = live.put_next_seq(A, 1, live.store.get(b_key))
+    copied = live.put_next_seq(A, layout.parse_delta_key(b_key).fragment, live.store.get(b_key))
     expected = {huge: {"seq_ahead"}, copied: {"wrong_signer"}, **{k: {"unsigned"} for k in junk}}
     found = live.wait_rejected(expected)
     live.assert_counted_and_logged_once(found, snap["reasons"])
