@@ -11,6 +11,7 @@ import json
 from ddiloco_geo.cli.settings import settings_from
 from ddiloco_geo.learner.data import tokenizer_json
 from ddiloco_geo.ops.export_hf import export_hf
+from ddiloco_geo.core.signing import tool_keys
 from ddiloco_geo.ops.snapshot import export_model, load_manifest
 from ddiloco_geo.storage import open_store
 
@@ -33,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
                   f"wrote {result['out']}: {result['architecture']}, {result['parameters']} parameters, "
                   f"versions {result['versions']}{', tokenizer' if result['tokenizer'] else ''}")
             return 0
-        result = export_model(store, args.out, manifest)
+        verifier, required = tool_keys(settings.security)
+        result = export_model(store, args.out, manifest, verifier=verifier, require_signatures=required)
     finally:
         store.close()
     print(json.dumps(result, default=str) if args.json else

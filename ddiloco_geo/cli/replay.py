@@ -14,6 +14,7 @@ import torch
 
 from ddiloco_geo import protocol
 from ddiloco_geo.cli.settings import settings_from
+from ddiloco_geo.core.signing import tool_keys
 from ddiloco_geo.ops.replay import replay
 from ddiloco_geo.storage import open_store
 
@@ -43,11 +44,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     cfg = settings.syncer
     outer_kwargs = {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.nesterov}
+    verifier, required = tool_keys(settings.security)
     store = open_store(settings.storage)
     try:
         spec = protocol.load_spec(store)
         result = replay(store, spec, outer_kwargs=outer_kwargs, fragments=args.fragment,
-                        update_codec=cfg.update_codec, progress=_Progress())
+                        update_codec=cfg.update_codec, progress=_Progress(), verifier=verifier,
+                        require_signatures=required)
     finally:
         store.close()
     if args.json:

@@ -9,6 +9,7 @@ import json
 from ddiloco_geo import protocol
 from ddiloco_geo.cli.settings import settings_from
 from ddiloco_geo.core import layout
+from ddiloco_geo.core.signing import tool_keys
 from ddiloco_geo.ops.snapshot import snapshot_versions, take_snapshot
 from ddiloco_geo.storage import open_store
 
@@ -22,7 +23,8 @@ def run(args: argparse.Namespace) -> int:
     store = open_store(settings.storage)
     try:
         spec = protocol.load_spec(store)
-        m = take_snapshot(store, spec, args.id)
+        verifier, _ = tool_keys(settings.security)
+        m = take_snapshot(store, spec, args.id, verifier=verifier)
     finally:
         store.close()
     versions = snapshot_versions(m)

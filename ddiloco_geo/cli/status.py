@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.watch:
             console.print(render(collect(store, args.egress_usd_per_gb, verifier)))
             return 0
-        with LiveView(store, live=True) as view:
+        with LiveView(store, live=True, verifier=verifier) as view:
             while True:
                 view.refresh()
                 time.sleep(2)

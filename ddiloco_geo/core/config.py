@@ -154,6 +154,9 @@ class SyncerConfig(Section):
     anchoring: Literal["current", "base"] = Field("current", description="'current': a delta counts as the pull "
                                                   "Θ_current − θ_learner (the paper's anchoring); 'base': as the learner's own "
                                                   "progress Θ_base − θ_learner, applied to the current global")
+    max_seq_ahead: int = Field(100_000, ge=1, description="a delta key more than this many sequence numbers past the "
+                               "learner's last provable one is rejected unread (seq_ahead): an honest learner skips a "
+                               "number only when its key is taken, so one foreign object cannot push its numbering away")
     max_deltas_per_min: int = Field(1200, ge=1, description="per-learner rate limit on delta objects; more are rejected as rate_limit")
     quarantine_after: int = Field(20, ge=1, description="rejections in a row after which a learner is quarantined (ignored until an operator deletes syncer/quarantine/<id>.json)")
     max_staleness: int = Field(8, ge=0, description="reject deltas whose base version is older than current - max_staleness")

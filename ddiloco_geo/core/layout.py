@@ -223,6 +223,12 @@ def parse_learner_prefix(prefix: str) -> str:
     raise LayoutError(f"not a learner prefix: {prefix!r}")
 
 
+def forged_key(fragment: int, version: int) -> str:
+    """A global that failed verification, set aside by the syncer (never adopted; an operator
+    deletes the global and this record)."""
+    return f"{SYNCER}forged/f{_num(fragment, FRAGMENT_DIGITS, 'fragment')}/v{_num(version, VERSION_DIGITS, 'version')}.json"
+
+
 def syncer_status_key(shard: int, num_shards: int) -> str:
     return f"{SYNCER}status/{_shard_name(shard, num_shards)}.json"
 

@@ -152,7 +152,7 @@ class Learner:
         if self.rank == 0:
             self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
                                      codec_name=self.spec.codec, block_size=self.spec.quant_block,
-                                     first_seq=protocol.next_delta_seq(self.store, self.learner_id),
+                                     first_seq=protocol.next_delta_seq(self.store, self.learner_id, self.own_verifier),
                                      inline=self.inline_io, metrics=self.metrics, signer=self.signer)
             self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
                                        dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled,

@@ -30,10 +30,10 @@ hyperparameters produce from the initial weights.
 
 Inputs that are not in the bucket: the outer optimizer's hyperparameters (``syncer.outer_lr``,
 ``syncer.outer_momentum``, ``syncer.nesterov``) come from the settings (``--set``/``--config``),
-unless a merge record carries them under ``"outer"``. The embedding patterns come from
-``run.json``.
+unless a merge record carries them under ``"outer"``. The embedding rule comes from the model
+settings in ``run.json`` (module types and name patterns, as the syncer decides it).
 
-Determinism: merging runs in float64 with a fixed contributor order (the record's), quantization is
+Determinism: merging runs with a fixed contributor order (the record's; float64 for norms and sums, see :mod:`ddiloco_geo.core.merge`), quantization is
 blockwise absmax (exact), and the outer step is elementwise fp32. Measured on torch 2.13 (CPU): the
 results do not depend on the intra-op thread count (1-16 threads, tensors up to 16M values, see
 ``tests/ops/test_replay.py``); they do depend on the torch build and the CPU's vector ISA level
@@ -63,7 +63,7 @@ from ddiloco_geo.core import layout, merge
 from ddiloco_geo.core.config import ModelConfig
 from ddiloco_geo.core.errors import CodecError, DdilocoError, NotFoundError
 from ddiloco_geo.core.merge import anchor
-from ddiloco_geo.core.model import build_model, is_embedding
+from ddiloco_geo.core.model import build_model, embedding_rule
 from ddiloco_geo.core.outer import MOMENTUM_PREFIX, OuterOptimizer, merge_and_step
 from ddiloco_geo.protocol.publish import RESIDUAL, compress_update, outer_state_from_wire
 from ddiloco_geo.storage import Store
@@ -335,7 +335,6 @@ def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any]
     """Check every published version of ``fragments`` (default: all); returns the JSON result. With
     ``verifier`` only syncer-signed versions are replayed: a forged one is left out and counted
     (``skipped_unverified``); the chain then has a gap, reported as a missing version."""
-    patterns = spec.model.get("embedding_patterns") or ["wte", "wpe", "embed", "lm_head"]
     if initial_params is None:
         initial_params = initial_weights(spec)
     todo = list(range(spec.plan.num_fragments)) if fragments is None else list(fragments)
@@ -345,7 +344,7 @@ def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any]
     skipped = protocol.Skipped()
     versions = {p: _verified_versions(store, p, verifier, skipped) for p in todo}
     total = sum(len(v) for v in versions.values())
-    r = Replayer(store, spec, outer_kwargs=outer_kwargs, is_embedding=lambda n: is_embedding(n, patterns),
+    r = Replayer(store, spec, outer_kwargs=outer_kwargs, is_embedding=embedding_rule(ModelConfig.model_validate(spec.model)),
                  initial_params=initial_params, update_codec=update_codec, progress=progress,
                  verifier=verifier, require_signatures=require_signatures)
     divergences = []

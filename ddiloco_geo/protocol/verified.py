@@ -14,7 +14,7 @@ functions read everything that parses: there is nothing to check against.
 - :func:`read_record`: a JSON record, signed by whom it should be; :func:`heartbeat` and
   :func:`exit_record` also validate every field a tool uses (types, ranges, lengths), so a heartbeat
   whose ``time`` is a string reads as absent instead of crashing ``status``;
-- :func:`forged_key` / :func:`record_forged`: where the syncer sets aside a global that fails
+- :func:`record_forged` (at ``layout.forged_key``): where the syncer sets aside a global that fails
   verification (``syncer/forged/fPPP/vVVVVVVVVVV.json``; the object stays for an operator to delete).
 """
 
@@ -247,10 +247,6 @@ def syncer_status(store: Store, key: str, verifier: Verifier | None = None,
 # --- forged globals the syncer sets aside ----------------------------------------------------------
 
 
-def forged_key(fragment: int, version: int) -> str:
-    return f"{layout.SYNCER}forged/f{fragment:0{layout.FRAGMENT_DIGITS}d}/v{version:0{layout.VERSION_DIGITS}d}.json"
-
-
 def record_forged(store: Store, fragment: int, version: int, reason: str, signer: Any = None) -> None:
     """Set aside a global that fails verification: a create-only record (never adopted; an
     operator deletes the global and this record)."""
@@ -258,7 +254,7 @@ def record_forged(store: Store, fragment: int, version: int, reason: str, signer
     record = {"key": gkey, "fragment": fragment, "version": version, "reason": reason[:300], "at": time.time(),
               "action": f"never adopted; an operator may delete {gkey} and this record"}
     try:
-        store.put_if_absent(forged_key(fragment, version), json.dumps(sign_record(record, signer)).encode())
+        store.put_if_absent(layout.forged_key(fragment, version), json.dumps(sign_record(record, signer)).encode())
     except StorageError as exc:
         log.warning("forged_record_failed key=%r error=%s", gkey, exc)
     log.error("global_forged_set_aside fragment=%d version=%d reason=%r", fragment, version, reason[:300])

@@ -58,10 +58,10 @@ from ddiloco_geo.syncer.state import Ema, FragmentState, PendingDelta
 log = logging.getLogger(__name__)
 
 
-# Proposed setting syncer.max_seq_ahead (lead: core/config.py). An honest learner skips a sequence
-# number only when its key is taken (junk, or its own earlier incarnation), so its next delta is
-# at most a few numbers past its last; 100k leaves room for any restart while keeping one object
-# from pushing a learner's numbering anywhere near the 10^12 key space.
+# The default of syncer.max_seq_ahead. An honest learner skips a sequence number only when its key
+# is taken (junk, or its own earlier incarnation), so its next delta is at most a few numbers past
+# its last; 100k leaves room for any restart while keeping one object from pushing a learner's
+# numbering anywhere near the 10^12 key space.
 MAX_SEQ_AHEAD = 100_000
 MAX_JUNK_KEYS = 4096  # per learner: junk remembered so it is not fetched again
 MAX_BAD_PREFIXES = 4096

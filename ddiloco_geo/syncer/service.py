@@ -89,6 +89,7 @@ class Syncer:
         anchoring: str = "current",
         clip_ratio: float | None = 4.0,
         quarantine_after: int = 20,
+        max_seq_ahead: int = 100_000,
         idle_exit_s: float | None = None,
         drain_timeout_s: float = 60.0,
         signer: Any = None,
@@ -122,7 +123,8 @@ class Syncer:
             store, spec, self.fragments, max_staleness=max_staleness, max_norm_ratio=max_norm_ratio,
             max_deltas_per_min=max_deltas_per_min, quarantine_after=quarantine_after,
             fetch_concurrency=fetch_concurrency, verifier=verifier, require_signatures=require_signatures,
-            counters=self.counters, metrics=self.metrics, ema_step=self.ema_step, now=now, signer=signer)
+            counters=self.counters, metrics=self.metrics, ema_step=self.ema_step, now=now, signer=signer,
+            max_seq_ahead=max_seq_ahead)
         self.stopping = False
         self.draining = False
         self.closed = False

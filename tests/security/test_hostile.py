@@ -751,7 +751,7 @@ def test_forged_globals_are_set_aside_and_the_tools_show_the_truth(live, tmp_pat
     p = 1
     forged = _forge_globals(live, p, 2)
     _wait_published_above(live, p, forged)
-    assert all(live.store.list(protocol.verified.forged_key(p, v)) for v in forged)
+    assert all(live.store.list(layout.forged_key(p, v)) for v in forged)
     # a restarted syncer whose newest global is forged
     proc = live.procs["syncer"]
     proc.terminate()
