@@ -57,7 +57,8 @@ def collect(store, *, max_delta_headers: int = 4000, verifier=None) -> dict[str,
             rejected.append(rec)
             accounted_at.setdefault(rec["key"], float(rec.get("at") or now))
 
-    merge_rows = [_merge_row(r, t0) for r in merges]
+    covered: dict[tuple[str, int, int], int] = {}  # (learner, fragment, base) -> tokens already merged
+    merge_rows = [_merge_row(r, t0, covered) for r in merges]  # in publish order
     events: list[dict[str, Any]] = []
     learners = {name: learner_history(store, name, t0, now, accounted_at, events, max_delta_headers, verifier, skipped)
                 for name in protocol.learner_ids(store)[0]}
@@ -103,13 +104,21 @@ def collect(store, *, max_delta_headers: int = 4000, verifier=None) -> dict[str,
     }
 
 
-def _merge_row(r: dict[str, Any], t0: float) -> dict[str, Any]:
+def _merge_row(r: dict[str, Any], t0: float, covered: dict[tuple[str, int, int], int]) -> dict[str, Any]:
+    """One merge. Its tokens are the ones it newly merged: a learner's deltas on one base are
+    cumulative, so a later delta on a base already merged adds only its increment."""
     entries = r.get("merged", [])
+    tokens = 0
+    for e in entries:
+        slot = (str(e["learner"]), int(r["fragment"]), int(e.get("base_version", -1)))
+        n = int(e.get("num_tokens", 0))
+        tokens += max(0, n - covered.get(slot, 0))
+        covered[slot] = max(n, covered.get(slot, 0))
     return {
         "fragment": int(r["fragment"]), "version": int(r["version"]), "time": float(r["published_at"]) - t0,
         "contributors": int(r.get("contributors", len({e["learner"] for e in entries}))),
         "staleness": [int(s) for s in r.get("staleness", [])], "grace_s": float(r.get("grace_s", 0.0)),
-        "tokens": sum(int(e.get("num_tokens", 0)) for e in entries),
+        "tokens": tokens,
         "learners": sorted({e["learner"] for e in entries}),
     }
 
