@@ -34,12 +34,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import socket
-import struct
 
 from ddiloco_geo.core.errors import ConfigError
 from ddiloco_geo.tools.faultproxy import messages
 from ddiloco_geo.tools.faultproxy.plan import ERROR_KINDS, Fault, HttpFaultPlan
+from ddiloco_geo.tools.wanproxy.link import abort
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ class FaultProxy:
             pass
         finally:
             if not writer.is_closing():
-                _abort(writer)
+                abort(writer, reset=True)
             self._tasks.discard(task)
 
     async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
@@ -141,28 +140,28 @@ class FaultProxy:
                 await asyncio.wait_for(reader.read(), self.stall_max_s)
             except asyncio.TimeoutError:
                 pass
-            _abort(writer)
+            abort(writer, reset=True)
             return False
         if kind == "latency":
             await asyncio.sleep(fault.delay_s)
         upstream = request.head_bytes(request.without("expect", *messages.HOP_BY_HOP) + [("Connection", "close")])
         if kind == "reset_request":
             await self._torn_upload(upstream, request.body)
-            _abort(writer)
+            abort(writer, reset=True)
             return False
         response = await self._exchange(upstream + request.body, method)
         if response is None:  # the target refused or dropped us: the client sees a reset
-            _abort(writer)
+            abort(writer, reset=True)
             return False
         head = response.head_bytes(response.without(*messages.HOP_BY_HOP, "content-length")
                                    + _length_header(response) + [("Connection", "keep-alive")])
         if kind == "lost_response":
-            _abort(writer)
+            abort(writer, reset=True)
             return False
         if kind == "reset_response":
             writer.write(head + response.body[: len(response.body) // 2] if response.body else head[: len(head) // 2])
             await writer.drain()
-            _abort(writer)
+            abort(writer, reset=True)
             return False
         writer.write(head + response.body)
         await writer.drain()
@@ -176,7 +175,7 @@ class FaultProxy:
         up_writer.write(head + body[: len(body) // 2] if body else head[: len(head) // 2])
         await up_writer.drain()
         await asyncio.sleep(0.05)  # let the server read the part it got before the reset
-        _abort(up_writer)
+        abort(up_writer, reset=True)
 
     async def _exchange(self, data: bytes, method: str) -> messages.Message | None:
         try:
@@ -208,14 +207,3 @@ def _length_header(response: messages.Message) -> list[tuple[str, str]]:
     if response.header("content-length") is not None:
         return [("Content-Length", response.header("content-length"))]
     return [("Content-Length", str(len(response.body)))]
-
-
-def _abort(writer: asyncio.StreamWriter) -> None:
-    """Close with a reset (SO_LINGER 0), as a crashed peer or a middlebox would."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
-    writer.transport.abort()
