@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import statistics
 import time
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass
@@ -274,7 +273,7 @@ class Intake:
             self.reject(key, dk, "rate_limit", f"more than {self.max_deltas_per_min} deltas a minute")
             return
         state = self.fragments[dk.fragment]
-        reason, detail = self._validate(dk, header, pseudo_grad, state)
+        reason, detail, step_norm = self._validate(dk, header, pseudo_grad, state)
         if reason:
             self.reject(key, dk, reason, detail)
             return
@@ -285,32 +284,31 @@ class Intake:
         now = self.now()
         if not state.pending:
             state.round_open_s = now
-        state.pending.append(PendingDelta(key, dk.learner, dk.seq, header, pseudo_grad, now))
+        state.pending.append(PendingDelta(key, dk.learner, dk.seq, header, pseudo_grad, now, step_norm))
 
     def _validate(self, dk: layout.DeltaKey, header: codec.Header, pg: dict[str, torch.Tensor],
-                  state: FragmentState) -> tuple[str | None, str]:
+                  state: FragmentState) -> tuple[str | None, str, float]:
+        """(reason, detail, per-step norm); reason None when the delta is accepted."""
         if header.checksum in self.seen_checksums[dk.learner]:
-            return "replay", "same payload as an earlier delta of this learner"
+            return "replay", "same payload as an earlier delta of this learner", 0.0
         own = header.clock[dk.learner]
         if own <= self.last_clock.get(dk.learner, 0) or own != dk.seq + 1:
-            return "clock_backwards", f"own clock entry {own} after {self.last_clock.get(dk.learner, 0)} (seq {dk.seq})"
+            return "clock_backwards", f"own clock entry {own} after {self.last_clock.get(dk.learner, 0)} (seq {dk.seq})", 0.0
         if header.num_steps < 1 or header.num_tokens < 1:
-            return "no_steps", f"steps={header.num_steps} tokens={header.num_tokens}"
+            return "no_steps", f"steps={header.num_steps} tokens={header.num_tokens}", 0.0
         if header.base_version > state.version:
-            return "future_base", f"base {header.base_version} > current {state.version}"
+            return "future_base", f"base {header.base_version} > current {state.version}", 0.0
         if header.base_version < max(0, state.version - self.max_staleness):
-            return "stale", f"base {header.base_version} older than {state.version} - {self.max_staleness}"
+            return "stale", f"base {header.base_version} older than {state.version} - {self.max_staleness}", 0.0
         # per inner step: a delta after 24 steps is larger than one after 1, but by at most ~24x
         norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in pg.values()))) / header.num_steps
-        others = [statistics.median(h) for h in state.norms.values() if h]
-        if sum(len(h) for h in state.norms.values()) >= 8:
-            reference = statistics.median(others)
-            if reference > 0 and norm > self.max_norm_ratio * reference:
-                return "norm", f"per-step norm {norm:.3g} > {self.max_norm_ratio} x reference {reference:.3g}"
+        reference = state.norm_reference()
+        if reference is not None and reference > 0 and norm > self.max_norm_ratio * reference:
+            return "norm", f"per-step norm {norm:.3g} > {self.max_norm_ratio} x reference {reference:.3g}", norm
         state.norms[dk.learner].append(norm)
         self.seen_checksums[dk.learner].append(header.checksum)
         self.last_clock[dk.learner] = own
-        return None, ""
+        return None, "", norm
 
     def _record(self, key: str, dk: layout.DeltaKey, reason: str, detail: str, provable: bool) -> None:
         record = {"key": key, "learner": dk.learner, "seq": dk.seq, "fragment": dk.fragment, "reason": reason,

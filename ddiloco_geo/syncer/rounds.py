@@ -22,7 +22,6 @@ average; then one outer step (:func:`ddiloco_geo.core.outer.merge_and_step`). Pu
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -85,13 +84,10 @@ def clip_factor(state: FragmentState, d: PendingDelta, clip_ratio: float | None)
     them) is scaled down to it, so no single delta (a learner restarted at full learning rate while
     the others are at the end of their schedule, a bad batch) can move the global much more than an
     ordinary merge. 1.0 when there is no reference yet (fewer than 8 norms) or no guard."""
-    if not clip_ratio or sum(len(h) for h in state.norms.values()) < 8:
+    reference = state.norm_reference() if clip_ratio else None
+    if reference is None or reference <= 0 or d.step_norm <= clip_ratio * reference:
         return 1.0
-    reference = statistics.median(statistics.median(h) for h in state.norms.values() if h)
-    norm = float(torch.sqrt(sum((t.double() ** 2).sum() for t in d.pseudo_grad.values()))) / max(1, d.header.num_steps)
-    if reference <= 0 or norm <= clip_ratio * reference:
-        return 1.0
-    return clip_ratio * reference / norm
+    return clip_ratio * reference / d.step_norm
 
 
 def select_contributors(pending: list[PendingDelta]) -> tuple[list[PendingDelta], list[PendingDelta]]:

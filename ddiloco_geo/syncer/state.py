@@ -12,6 +12,7 @@ publish race, continues exactly where the winner left off.
 
 from __future__ import annotations
 
+import statistics
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ class PendingDelta:
     header: codec.Header
     pseudo_grad: dict[str, torch.Tensor]
     arrived_s: float
+    step_norm: float  # ||pseudo_grad|| / num_steps, computed once by intake's norm check
 
 
 @dataclass
@@ -53,6 +55,13 @@ class FragmentState:
     last_merge_s: float | None = None
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback of update objects
     forged_skips: int = 0  # forged globals published past in a row (service._publish_above_forged)
+
+    def norm_reference(self) -> float | None:
+        """The median over learners of each learner's recent per-step norms (None before 8 norms):
+        one learner sending tiny or huge deltas cannot move it for the others."""
+        if sum(len(h) for h in self.norms.values()) < 8:
+            return None
+        return statistics.median(statistics.median(h) for h in self.norms.values() if h)
 
     def remember(self, version: int, params: dict[str, torch.Tensor]) -> None:
         self.history[version] = params
