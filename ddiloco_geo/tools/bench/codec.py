@@ -32,6 +32,7 @@ import torch
 
 from ddiloco_geo import codec
 from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.tools.bench.rounds import interleave, spread
 
 MB = 1024 * 1024
 
@@ -71,31 +72,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _spread(times: list[float]) -> float:
-    """(max - min) / median: how far apart the runs of one phase are."""
-    return (max(times) - min(times)) / statistics.median(times)
-
-
-def interleave(baseline, measured, *, window: int, budget_s: float, target: float = 0.05) -> dict:
-    """Alternate the two phases (baseline, measured, baseline, ...) one run each, until the last
-    ``window`` baseline runs are within ``target`` of each other (spread = (max - min) / median) or
-    ``budget_s`` has passed (at least ``window`` rounds either way). Load from elsewhere on the
-    machine then hits both phases alike, and a noisy stretch is visible in the spread instead of
-    hiding in a best-of. Returns the last window's runs: {baseline, measured (lists of what the
-    callables return, seconds or tuples of seconds), rounds, spread, settled}."""
-    base: list[float] = []
-    meas: list = []
-    deadline = time.perf_counter() + budget_s
-    while True:
-        base.append(_timed(baseline))
-        meas.append(measured())
-        if len(base) >= window:
-            spread = _spread(base[-window:])
-            if spread < target or time.perf_counter() > deadline:
-                return {"baseline": base[-window:], "measured": meas[-window:], "rounds": len(base),
-                        "spread": spread, "settled": spread < target}  # fmt: skip
-
-
 def measure(tensors: dict[str, torch.Tensor], codecs: list[str], repeats: int, block_size: int,
             progress=lambda msg: None, budget_s: float = 30.0, topk: int = 0) -> list[dict]:  # fmt: skip
     """One row per codec; ``repeats`` is the window of interleaved rounds the medians are taken
@@ -125,7 +101,7 @@ def measure(tensors: dict[str, torch.Tensor], codecs: list[str], repeats: int, b
             codec.decode(data)
             return t1 - t0, time.perf_counter() - t1
 
-        runs = interleave(copy, round_trip, window=repeats, budget_s=budget_s)
+        runs = interleave(lambda: _timed(copy), round_trip, window=max(2, repeats), budget_s=budget_s)
         memcpy_s = statistics.median(runs["baseline"])
         enc_s = statistics.median(e for e, _ in runs["measured"])
         dec_s = statistics.median(d for _, d in runs["measured"])
@@ -152,7 +128,7 @@ def measure(tensors: dict[str, torch.Tensor], codecs: list[str], repeats: int, b
             "speed_vs_memcpy": round(memcpy_s / total_s, 4),
             "memcpy_mb_s": round(mb / memcpy_s, 1),
             "memcpy_spread": round(runs["spread"], 4),
-            "codec_spread": round(_spread([e + d for e, d in runs["measured"]]), 4),
+            "codec_spread": round(spread([e + d for e, d in runs["measured"]]), 4),
             "rounds": runs["rounds"],
             "settled": runs["settled"],
             "max_abs_err": max_abs,

@@ -7,8 +7,7 @@ baseline, measured, ...), one run each, and the rounds go on until the baseline'
 runs are within ``target`` of each other (spread = (max - min) / median) or ``budget_s`` has
 passed, with at least ``window`` rounds either way. Load then hits both phases alike, the figures
 are medians over the last window, and a noisy stretch shows as a spread and ``settled: false``
-instead of hiding in a best-of. ``bench codec`` has its own copy of this loop; ``bench syncer``
-and ``bench overhead`` use this one.
+instead of hiding in a best-of. ``bench codec``, ``bench syncer`` and ``bench overhead`` use it.
 """
 
 from __future__ import annotations
