@@ -164,3 +164,18 @@ def test_a_learner_joining_late_follows_the_runs_progress(tiny_run):
     assert 16 <= late.step <= 20  # the largest step in the newest merge records
     fresh = _learner(run, id="l2", max_steps=200)
     assert fresh.step == 0
+
+
+def test_a_learner_whose_run_settings_differ_from_the_run_is_refused_with_the_fix(tiny_run):
+    from ddiloco_geo.core.errors import ConfigError
+
+    run = tiny_run()
+    run.syncer()
+    settings = run.settings.model_copy(update={
+        "run": run.settings.run.model_copy(update={"codec": "int4"}),
+        "learner": run.settings.learner.model_copy(update={"id": "l0"})})
+    learner = Learner.from_settings(settings, run.store, inline_io=True)
+    with pytest.raises(ConfigError) as info:
+        learner.join()
+    assert "run.codec='int4' but the run uses 'fp32'" in str(info.value)
+    assert "start it with the run's settings" in str(info.value)
