@@ -163,7 +163,7 @@ class Learner:
     def _wait_for_globals(self, spec: protocol.RunSpec) -> dict[int, int]:
         deadline = time.monotonic() + self.cfg.join_timeout_s
         while True:
-            index, _ = protocol.read_index(self.store)
+            index, _ = protocol.read_index(self.store, self.global_verifier)
             if all(p in index for p in range(spec.plan.num_fragments)):
                 return index
             if time.monotonic() > deadline:

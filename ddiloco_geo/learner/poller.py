@@ -1,10 +1,11 @@
 """The learner's background poller of new global versions.
 
 Polls ``globals/HEAD`` every ``poll_s`` and downloads every fragment version newer than the one the
-learner holds, into an inbox the learner drains at the top of its next step. A global is accepted
-only if it decodes, matches the plan and (in a signed run) carries the syncer's signature; anything
-else is counted (``globals_rejected``), logged, and skipped: the learner keeps training on what it
-has. Shutdown: :meth:`GlobalPoller.stop` sets the stop event and joins the thread.
+learner holds, into an inbox the learner drains at the top of its next step. In a signed run the
+index counts only if the syncer signed it (a forged one reads as empty). A global is accepted only
+if it decodes, matches the plan and (in a signed run) carries the syncer's signature; anything else
+is counted (``globals_rejected``), logged, and skipped without moving what the learner holds: it
+keeps training on what it has and takes the next version the index names. Shutdown: :meth:`GlobalPoller.stop` sets the stop event and joins the thread.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class GlobalPoller:
         self.known = dict(held)
         self.current = dict(current)  # the tensors of each known version (shared, never mutated)
         self.lag: dict[int, int] = {}  # versions behind the index when last seen
+        self.refused: dict[int, int] = {}  # fragment -> the version the index named that did not verify
         self.inbox: dict[int, tuple[int, dict[str, torch.Tensor], VectorClock]] = {}
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
@@ -67,10 +69,10 @@ class GlobalPoller:
                 log.warning("global_poll_failed error=%s", exc)
 
     def poll_once(self) -> None:
-        index, _ = protocol.read_index(self.store)
+        index, _ = protocol.read_index(self.store, self.verify)
         for p, v in sorted(index.items()):
             held = self.known.get(p, -1)
-            if v <= held or p >= self.spec.plan.num_fragments:
+            if v <= held or p >= self.spec.plan.num_fragments or self.refused.get(p) == v:
                 continue
             self.lag[p] = v - held
             fetched = None
@@ -84,8 +86,8 @@ class GlobalPoller:
                     self.counters["globals_fetched"] += 1
                 except (CodecError, NotFoundError) as exc:
                     self.counters["globals_rejected"] += 1
-                    log.warning("global_rejected fragment=%d version=%d reason=%s", p, v, exc)
-                    self.known[p] = v
+                    log.warning("global_rejected fragment=%d version=%d reason=%r", p, v, str(exc))
+                    self.refused[p] = v  # not fetched again; the next version is, from what we hold
                     continue
             self.known[p] = v
             self.current[p] = fetched[0]

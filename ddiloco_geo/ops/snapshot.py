@@ -108,7 +108,7 @@ def take_snapshot(store: Store, spec: protocol.RunSpec, snapshot_id: str | None 
     written = _list_deltas(store)
     rejected = _rejected_keys(store)
     # 2. the newest version of every fragment, by listing (authoritative)
-    index, _ = protocol.read_index(store)
+    index, _ = protocol.read_index(store, verifier)
     fragments: dict[str, Any] = {}
     consumed_by: dict[int, dict[str, int]] = {}
     frontier = VectorClock()

@@ -85,12 +85,12 @@ def collect(store: Store, egress_usd_per_gb: float = 0.02, verifier=None) -> dic
 
 
 def _versions(store: Store, syncers: list[dict[str, Any]], verifier) -> dict[int, int]:
-    """Newest version per fragment: the index in an unsigned run; in a signed run what the
-    syncer-signed status objects say (``globals/HEAD`` is not signed, so anyone could raise it)."""
-    index, _ = protocol.read_index(store)
+    """Newest version per fragment: the index (in a signed run only if the syncer signed it; a forged
+    one reads as empty) raised by what the syncer-signed status objects say."""
+    index, _ = protocol.read_index(store, verifier)
     if verifier is None:
         return index
-    out: dict[int, int] = {}
+    out: dict[int, int] = dict(index)
     for s in syncers:
         for p, v in (s.get("versions") or {}).items():
             if str(p).isdigit() and isinstance(v, int) and not isinstance(v, bool):

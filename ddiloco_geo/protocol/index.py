@@ -1,5 +1,5 @@
-"""Reads of published globals: the ``globals/HEAD`` index (compare-and-swap, only moves forward),
-version listings (authoritative; the index may lag a crash), one fragment version, and the whole
+"""Reads of published globals: the ``globals/HEAD`` index (compare-and-swap, only moves forward;
+in a signed run signed by the syncer, and an index that does not verify reads as absent), version listings (authoritative; the index may lag a crash), one fragment version, and the whole
 global model. The write side is :mod:`ddiloco_geo.protocol.publish`.
 """
 
@@ -14,38 +14,65 @@ import torch
 from ddiloco_geo import codec
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import CodecError, NotFoundError, PreconditionFailedError
+from ddiloco_geo.core.signing import Signer, Verifier, sign_record, verify_record
+from ddiloco_geo.protocol.spec import RunSpec
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
 
+MAX_INDEX_BYTES = 2**20
+MAX_VERSION = 10**10  # the layout's version field has ten digits
 
-from ddiloco_geo.protocol.spec import RunSpec
+
+def _parse_index(data: bytes, verifier: Verifier | None) -> dict[int, int] | None:
+    """The index's versions, or None when it is malformed or (with ``verifier``) not the syncer's."""
+    try:
+        record = json.loads(data) if len(data) <= MAX_INDEX_BYTES else None
+        if not isinstance(record, dict) or not isinstance(record.get("versions"), dict):
+            return None
+        if verifier is not None and not verify_record(record, verifier, "syncer"):
+            return None
+        out = {}
+        for p, v in record["versions"].items():
+            if not (isinstance(p, str) and p.isdigit() and type(v) is int and 0 <= v < MAX_VERSION):
+                return None
+            out[int(p)] = v
+        return out
+    except (ValueError, RecursionError):
+        return None
 
 
-def read_index(store: Store) -> tuple[dict[int, int], str | None]:
-    """Newest published version per fragment, and the CAS token ({} and None if absent)."""
+def read_index(store: Store, verifier: Verifier | None = None) -> tuple[dict[int, int], str | None]:
+    """Newest published version per fragment, and the CAS token ({} and None if absent).
+
+    With ``verifier`` (a signed run) only an index the syncer signed counts; a forged, unsigned or
+    malformed one reads as empty (readers fall back to waiting or listing) and the syncer's next
+    publish replaces it."""
     try:
         data, token = store.read_token(layout.globals_index_key())
     except NotFoundError:
         return {}, None
-    try:
-        raw = json.loads(data)["versions"]
-        return {int(p): int(v) for p, v in raw.items()}, token
-    except (ValueError, KeyError, TypeError):
-        log.warning("index_malformed key=%s action=rebuild_on_next_publish", layout.globals_index_key())
+    versions = _parse_index(data, verifier)
+    if versions is None:
+        log.warning("index_unverified key=%r action=ignored_until_the_syncer_rewrites_it", layout.globals_index_key())
         return {}, token
+    return versions, token
 
 
-def advance_index(store: Store, versions: dict[int, int], attempts: int = 50) -> dict[int, int]:
-    """Raise the index's entries to at least ``versions`` (never lowers one); CAS with retry."""
+def advance_index(store: Store, versions: dict[int, int], attempts: int = 50, *, signer: Signer | None = None,
+                  verifier: Verifier | None = None) -> dict[int, int]:
+    """Raise the index's entries to at least ``versions`` (never lowers one); CAS with retry. In a
+    signed run (``signer``, ``verifier``) the index is signed, and one that does not verify is
+    replaced, not raised: a forged entry at a huge version would otherwise stay forever."""
     for _ in range(attempts):
-        current, token = read_index(store)
+        current, token = read_index(store, verifier)
         merged = dict(current)
         for p, v in versions.items():
             merged[p] = max(v, merged.get(p, -1))
         if merged == current and token is not None:
             return current
-        body = json.dumps({"versions": {str(p): v for p, v in sorted(merged.items())}}).encode()
+        record = {"versions": {str(p): v for p, v in sorted(merged.items())}}
+        body = json.dumps(sign_record(record, signer)).encode()
         try:
             store.cas(layout.globals_index_key(), body, token)
             return merged

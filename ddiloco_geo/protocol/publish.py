@@ -100,7 +100,7 @@ def commit_version(store: Store, *, run_id: str, fragment: int, version: int, pa
                                    **record}, default=str))  # signed as it will read back
     store.put_if_absent(layout.tape_key(fragment, version), json.dumps(sign_record(entry, signer)).encode())
     if advance_index:
-        index.advance_index(store, {fragment: version})
+        index.advance_index(store, {fragment: version}, signer=signer, verifier=verifier)
     return state_key
 
 

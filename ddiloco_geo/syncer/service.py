@@ -148,7 +148,7 @@ class Syncer:
                 self._publish(state, params, state.outer, {
                     "kind": "init", "merged": [], "torch": torch.__version__,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability()}, dict(state.consumed), VectorClock())
-        protocol.advance_index(self.store, {p: s.version for p, s in self.fragments.items()})
+        self._advance_index()
         self.intake.resume_cursors()
         self.ready_at = time.time()
         log.info("syncer_ready shard=%d/%d fragments=%d versions=%s", self.shard_index, self.num_shards,
@@ -172,6 +172,11 @@ class Syncer:
                 "If this is the run's syncer, check security.run_secret (it must be the run's); otherwise every "
                 f"global under {layout.fragment_dir(p)} is forged: delete them (see syncer/forged/) and restart")
         return None
+
+    def _advance_index(self) -> None:
+        """Every owned fragment's version into ``globals/HEAD`` (signed; a forged index is replaced)."""
+        protocol.advance_index(self.store, {p: s.version for p, s in self.fragments.items()},
+                               signer=self.signer, verifier=self.verifier)
 
     def _adopt_published(self, p: int, version: int) -> None:
         """Load a published version (global and state, both verified) as fragment ``p``'s state;
@@ -314,7 +319,7 @@ class Syncer:
             state_tensors=tensors, state_extra={"consumed": consumed, "outer_num_steps": outer_steps},
             record=record, clock=clock, signer=self.signer,
             after_commit={layout.global_update_key(p, version): update} if update is not None else None,
-            advance_index=is_merge, verifier=self.verifier,
+            advance_index=False, verifier=self.verifier,
         )
         if state_key is None:
             self.counters["publish_races_lost"] += 1
@@ -333,6 +338,7 @@ class Syncer:
         state.quorum_s = None
         if is_merge:
             state.last_merge_s = self.now()
+            self._advance_index()
         state.round_open_s = min((d.arrived_s for d in state.pending), default=None)
         self.counters["versions_published"] += 1
         if is_merge:

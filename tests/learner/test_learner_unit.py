@@ -3,6 +3,7 @@ resuming past an unusable checkpoint. A memory:// store, a one-layer model, no p
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -10,10 +11,10 @@ import pytest
 import torch
 
 from ddiloco_geo import codec, protocol
-from ddiloco_geo.core import layout
+from ddiloco_geo.core import layout, signing
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.model import embedding_rule
-from ddiloco_geo.core.signing import signer_for, syncer_keys
+from ddiloco_geo.core.signing import run_verifier, signer_for, syncer_keys
 from ddiloco_geo.learner import Learner, Outgoing, Uploader
 from ddiloco_geo.syncer import Syncer
 from tests.service.conftest import tiny_run  # noqa: F401  (fixture)
@@ -96,7 +97,13 @@ def _forge_global(run, p: int, version: int, *, signer) -> None:
     params = {n: torch.full(s, 7.0) for n, s in run.spec.plan.expect(p).items()}
     header = codec.Header(kind="global", run_id=run.spec.run_id, fragment=p, version=version, clock=VectorClock())
     assert run.store.put_if_absent(layout.global_key(p, version), codec.encode(params, header, codec="fp32", signer=signer))
-    protocol.advance_index(run.store, {p: version})
+    _index_names(run, p, version)
+
+
+def _index_names(run, p: int, version: int) -> None:
+    """The syncer-signed index names ``version`` of ``p`` (as it would after a publish)."""
+    protocol.advance_index(run.store, {p: version}, signer=signer_for(SECRET, "syncer"),
+                           verifier=run_verifier(SECRET))
 
 
 @pytest.mark.parametrize("forgery", ["unsigned", "learner_key", "corrupt"])
@@ -106,7 +113,7 @@ def test_a_forged_or_corrupt_global_is_refused_and_training_goes_on(tiny_run, fo
     before = {n: t.clone() for n, t in learner.base[0].items()}
     if forgery == "corrupt":
         run.store.put_if_absent(layout.global_key(0, 1), b"\x00garbage" * 100)
-        protocol.advance_index(run.store, {0: 1})
+        _index_names(run, 0, 1)
     else:
         _forge_global(run, 0, 1, signer=None if forgery == "unsigned" else signer_for(SECRET, "learner", "l0"))
     with caplog.at_level(logging.WARNING):
@@ -117,6 +124,30 @@ def test_a_forged_or_corrupt_global_is_refused_and_training_goes_on(tiny_run, fo
     assert learner.step_once() is True and learner.step_once() is True
     assert learner.base_version[0] == 0
     assert all(torch.equal(before[n], learner.base[0][n]) for n in before)
+
+
+@pytest.mark.parametrize("forger", ["unsigned", "wrong_key"])
+def test_a_forged_index_is_ignored_and_adoption_goes_on(tiny_run, forger, caplog):
+    """globals/HEAD forged (anywhere write) to name a version that does not exist: the learner
+    ignores it; when the syncer-signed index names a real new version, the learner adopts it."""
+    run, _ = _signed_run(tiny_run)
+    learner = _learner(run)
+    body = signing.sign_record({"versions": {"0": 10**9}}, None if forger == "unsigned" else
+                               signer_for("not-the-run-secret-0123456789abcdef", "syncer"))
+    _, token = protocol.read_index(run.store)
+    run.store.cas(layout.globals_index_key(), json.dumps(body).encode(), token)
+    with caplog.at_level(logging.WARNING):
+        learner.poller.poll_once()
+    assert "index_unverified" in caplog.text
+    assert learner.poller.counters["globals_rejected"] == 0 and learner.poller.take() == {}
+    params = {n: torch.full(s, 0.5) for n, s in run.spec.plan.expect(0).items()}
+    header = codec.Header(kind="global", run_id=run.spec.run_id, fragment=0, version=1, clock=VectorClock())
+    run.store.put_if_absent(layout.global_key(0, 1), codec.encode(params, header, codec="fp32",
+                                                                  signer=signer_for(SECRET, "syncer")))
+    _index_names(run, 0, 1)  # replaces the forged index: a forged entry is not raised past
+    assert protocol.read_index(run.store, run_verifier(SECRET))[0] == {0: 1}
+    learner.poller.poll_once()
+    assert learner.poller.take()[0][0] == 1
 
 
 def test_a_corrupt_or_truncated_checkpoint_is_ignored_with_a_warning(tiny_run, caplog):

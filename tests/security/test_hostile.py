@@ -774,6 +774,37 @@ def test_forged_globals_are_set_aside_and_the_tools_show_the_truth(live, tmp_pat
     live.assert_healthy(snap, timeout=90)
 
 
+def _adopted_after(live, at: dict[int, int]) -> set[str]:
+    """Honest learners with a merged delta trained on a version published after ``at``."""
+    return {e["learner"] for r in live.refresh_tape() for e in r.get("merged", [])
+            if e["learner"] in HONEST and e["base_version"] > at[r["fragment"]]}
+
+
+def test_forged_index_cannot_stop_adoption(live):
+    """anywhere write: ``globals/HEAD`` overwritten, unsigned and naming versions that do not exist,
+    then signed with a wrong key. Learners ignore it, the syncer's next publish replaces it (a
+    forged entry is not "raised" past), and both honest learners go on adopting: deltas merged
+    after the attack were trained on versions published after it. None is quarantined."""
+    snap = live.snapshot()
+    for forger in (None, signing.signer_for(WRONG_SECRET, "syncer")):
+        at = {p: protocol.newest_global(live.store, live.spec, p, verifier(), True)[0] for p in range(NUM_FRAGMENTS)}
+        forged = {"versions": {str(p): 10**9 + p for p in range(NUM_FRAGMENTS)}}
+        live.put_raw(layout.globals_index_key(), json.dumps(signing.sign_record(forged, forger)).encode())
+        live.hostile.discard(layout.globals_index_key())  # not a delta: never in a merge record anyway
+        end_at = time.monotonic() + deadline(90)
+        while _adopted_after(live, at) != set(HONEST):
+            live.assert_alive()
+            assert time.monotonic() < end_at, (
+                f"learners adopting after the forged index: {_adopted_after(live, at)}\n{live.logs()}")
+            time.sleep(0.5)
+        index, _ = protocol.read_index(live.store, verifier())
+        assert index and all(index[p] < 10**9 for p in index), index
+    assert "index_unverified" in live.log(HONEST[0]) + live.log(HONEST[1]) + live.log("syncer")
+    for learner in HONEST:
+        assert learner not in protocol.quarantined_learners(live.store, verifier())
+    live.assert_healthy(snap)
+
+
 def test_signed_hostile_deltas_reach_the_content_checks(live):
     """A key holder (its own valid key): NaN, an absurd norm and a clock that goes back, all properly
     signed and naming their keys, so the signature passes and the content checks reject them."""
