@@ -2,7 +2,7 @@
 
 The global model is the syncer's outer parameters (every fragment's newest published version), not
 any learner's local copy, as Streaming DiLoCo's Table 3 advises. It is evaluated on the held-out
-split of the run's corpus (``data.eval_ratio``, ``data.eval_batches`` batches of
+split of the run's corpus (a byte corpus or ``tokens:`` shards; ``data.eval_ratio``, ``data.eval_batches`` batches of
 ``learner.batch_size`` windows of ``model.block_size`` tokens), the same batches every time, so
 losses of one run, or of a chaos run and its fault-free baseline, compare directly. In a signed run
 only globals the syncer signed are evaluated (:func:`ddiloco_geo.protocol.global_model`: a forged
@@ -16,6 +16,7 @@ from ddiloco_geo.core import data as datamod
 from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.config import DataConfig, ModelConfig, Settings
 from ddiloco_geo.core.signing import tool_keys
+from ddiloco_geo.learner.data import eval_batches_for
 from ddiloco_geo.protocol import RunSpec
 from ddiloco_geo.storage import Store
 
@@ -27,9 +28,7 @@ class Evaluator:
                  require_signatures: bool = False) -> None:
         self.verifier, self.require_signatures = verifier, require_signatures
         self.last_skipped: dict = {}
-        corpus = datamod.load_corpus(data.corpus, max_bytes=data.max_bytes)
-        _, eval_data = datamod.split(corpus, data.eval_ratio)
-        self.batches = datamod.eval_batches(eval_data, model.block_size, batch_size, data.eval_batches)
+        self.batches = eval_batches_for(data, block_size=model.block_size, batch_size=batch_size)
         self.model = modelmod.build_model(model)
 
     @classmethod

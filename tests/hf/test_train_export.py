@@ -17,7 +17,9 @@ from ddiloco_geo.core.hf import HFCausalLM
 from ddiloco_geo.core.model import build_model, set_tensors
 from ddiloco_geo.learner import Learner
 from ddiloco_geo.learner.data import eval_batches_for
+from ddiloco_geo.ops.report.evaluate import PastEvaluator
 from ddiloco_geo.storage import open_store
+from ddiloco_geo.tools.evaluate import Evaluator
 from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
 from ddiloco_geo.tools.sample import sample_global
 
@@ -49,6 +51,9 @@ def test_hf_model_trains_on_token_shards_and_exports_for_from_pretrained(tmp_pat
         set_tensors(global_model, run.global_params())
         global_loss = evaluate(global_model, batches)
         assert global_loss < initial - 0.3, (initial, global_loss)
+        # local's and report's evaluators read the same held-out token batches
+        assert Evaluator.from_settings(run.settings).global_loss(run.store, run.spec)[0] == pytest.approx(global_loss, abs=1e-5)
+        assert PastEvaluator(run.settings, run.spec).loss(run.global_params()) == pytest.approx(global_loss, abs=1e-5)
         cursor = run.learners[0].reader.state_dict()
         assert cursor["tokens_seen"] == 24 * 8 * 32
 

@@ -1,7 +1,7 @@
 """The global model at past instants: every version of every fragment stays in the bucket and every
 merge record carries ``published_at``, so the global model at instant t is, for each fragment, the
 newest version published at or before t. :class:`PastEvaluator` builds the run's model (from
-``run.json``) and the eval split (from this command's data settings) and evaluates params on the
+``run.json``) and the eval split (from this command's data settings: a byte corpus or ``tokens:`` shards) and evaluates params on the
 CPU; :func:`evaluate_over_time` picks the instants and evaluates each distinct set of versions once.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 from ddiloco_geo import protocol
 from ddiloco_geo.core import data, model
 from ddiloco_geo.core.config import ModelConfig
+from ddiloco_geo.learner.data import eval_batches_for
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,8 @@ class PastEvaluator:
 
     def __init__(self, settings, spec, eval_batches: int | None = None) -> None:
         model_cfg = ModelConfig.model_validate(spec.model)
-        corpus = data.load_corpus(settings.data.corpus, max_bytes=settings.data.max_bytes)
-        _, eval_data = data.split(corpus, settings.data.eval_ratio)
-        n = eval_batches or settings.data.eval_batches
-        self.batches = data.eval_batches(eval_data, model_cfg.block_size, settings.learner.batch_size, n)
+        self.batches = eval_batches_for(settings.data, block_size=model_cfg.block_size,
+                                        batch_size=settings.learner.batch_size, num_batches=eval_batches)
         self.model = model.build_model(model_cfg)
 
     def loss(self, params) -> float:
