@@ -132,6 +132,9 @@ class LearnerConfig(Section):
     heartbeat_s: float = Field(2.0, gt=0)
     slow_step_s: float = Field(0.0, ge=0, description="extra sleep per step (tests and chaos: a straggler)")
     device: str = Field("cpu", description="torch device; 'cuda' under torchrun uses LOCAL_RANK")
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="under torchrun, how the learner's ranks share the "
+                                             "model: 'ddp' replicates it, 'fsdp' shards parameters, gradients and AdamW "
+                                             "state (FSDP2 fully_shard per block) for models larger than one device")
     join_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the run and its first globals")
     flush_deadline_s: float = Field(20.0, gt=0, description="time allowed to flush deltas on exit or preemption notice (fits GCE's 30 s)")
     log_every: int = Field(10, ge=1, description="steps between progress lines")

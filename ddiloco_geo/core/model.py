@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ddiloco_geo.core import hf
 from ddiloco_geo.core.config import ModelConfig
@@ -320,8 +321,23 @@ def get_tensors(model: nn.Module, names: Iterable[str]) -> dict[str, torch.Tenso
     for name in names:
         if name not in params:
             raise KeyError(f"model has no parameter {name!r}")
-        out[name] = params[name].detach().to(device="cpu", dtype=torch.float32, copy=True)
+        out[name] = full_tensor(params[name].detach()).to(device="cpu", dtype=torch.float32, copy=True)
     return out
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: for an FSDP2-sharded ``DTensor`` an all-gather (a collective: every rank of
+    the learner calls it, in the same order); any other tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def like_param(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``t`` (a whole tensor, the same on every rank) on ``param``'s device and dtype, and for a
+    sharded ``DTensor`` parameter cut to this rank's shard locally (no communication)."""
+    t = t.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        return distribute_tensor(t, param.device_mesh, param.placements, src_data_rank=None)
+    return t
 
 
 def set_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], alpha: float = 0.0) -> None:
@@ -341,7 +357,7 @@ def set_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], alpha: float
     with torch.no_grad():
         for name, t in tensors.items():
             p = params[name]
-            src = t.to(device=p.device, dtype=p.dtype)
+            src = like_param(t, p)
             if alpha == 0.0:
                 p.copy_(src)
             else:

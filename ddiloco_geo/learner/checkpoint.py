@@ -20,6 +20,7 @@ import torch
 
 from ddiloco_geo import codec
 from ddiloco_geo.core import layout
+from ddiloco_geo.core.model import full_tensor, like_param
 from ddiloco_geo.core.errors import CodecError, NotFoundError
 from ddiloco_geo.learner import ranks
 from ddiloco_geo.storage import Store
@@ -33,14 +34,15 @@ CKPT_EXP_AVG_SQ = "adam.exp_avg_sq."
 
 def checkpoint_tensors(params: dict[str, torch.Tensor], model: torch.nn.Module,
                        optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """(tensors to store, AdamW step count per parameter name)."""
+    """(tensors to store, AdamW step count per parameter name). With a sharded (FSDP) model every
+    rank calls this: the moments are gathered whole."""
     tensors = {CKPT_PARAM + n: t for n, t in params.items()}
     adam_steps = {}
     for name, param in model.named_parameters():
         st = optimizer.state.get(param)
         if st:
-            tensors[CKPT_EXP_AVG + name] = st["exp_avg"].detach().float().cpu()
-            tensors[CKPT_EXP_AVG_SQ + name] = st["exp_avg_sq"].detach().float().cpu()
+            tensors[CKPT_EXP_AVG + name] = full_tensor(st["exp_avg"].detach()).float().cpu()
+            tensors[CKPT_EXP_AVG_SQ + name] = full_tensor(st["exp_avg_sq"].detach()).float().cpu()
             adam_steps[name] = float(st["step"])
     return tensors, adam_steps
 
@@ -82,14 +84,15 @@ def moments_of(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tenso
 
 def restore_adam(optimizer: torch.optim.Optimizer, model: torch.nn.Module, tensors: dict[str, torch.Tensor],
                  adam_steps: dict[str, float], *, rank: int, world: int, device: torch.device) -> None:
-    """AdamW moments and step counts from rank 0's checkpoint tensors, on every rank."""
+    """AdamW moments and step counts from rank 0's checkpoint tensors, on every rank (each rank's
+    shard of them with a sharded model)."""
     for name, param in model.named_parameters():
         if name not in adam_steps:
             continue
         if rank == 0:
             moments = [t.to(device) for t in moments_of(tensors, name)]
         else:
-            moments = [torch.empty_like(param, dtype=torch.float32) for _ in range(2)]
-        moments = [ranks.broadcast_tensor(t, world).to(param.dtype) for t in moments]
+            moments = [torch.empty(param.shape, dtype=torch.float32, device=device) for _ in range(2)]
+        moments = [like_param(ranks.broadcast_tensor(t, world), param) for t in moments]
         optimizer.state[param] = {"step": torch.tensor(float(adam_steps[name])),
                                   "exp_avg": moments[0], "exp_avg_sq": moments[1]}

@@ -44,10 +44,10 @@ from ddiloco_geo.learner import checkpoint as ckpt
 from ddiloco_geo.learner import ranks
 from ddiloco_geo.learner.data import make_reader
 from ddiloco_geo.learner.poller import GlobalPoller
-from ddiloco_geo.learner.presence import Presence
+from ddiloco_geo.learner.presence import Presence, status_record
 from ddiloco_geo.learner.schedule import lr_schedule, run_progress
 from ddiloco_geo.learner.uploader import Outgoing, Uploader
-from ddiloco_geo.metrics import Registry, export_store_stats, learner_metrics
+from ddiloco_geo.metrics import Registry, learner_metrics
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class Learner:
                 self.base_version[p] = index[p]
                 self.clock = self.clock.merge(header.clock)
         ranks.broadcast_model(self.model, self.world)
+        self.sharded = ranks.shard_model(self.model, self.cfg.parallel, self.world)
         self.schedule = Schedule(P, self.spec.sync_every)
         self.c_steps = [0] * P
         self.c_tokens = [0] * P
@@ -148,7 +149,7 @@ class Learner:
         self.c_ref_tokens = list(self.c_tokens)
         self.frag_steps_trained = 0    # fragment-steps: one per fragment per inner step
         self.frag_steps_discarded = 0  # trained, then overwritten on adoption before any send carried them
-        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else None
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 and not self.sharded else None
         if self.rank == 0:
             self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
                                      codec_name=self.spec.codec, block_size=self.spec.quant_block,
@@ -178,9 +179,7 @@ class Learner:
 
     def write_checkpoint(self, cursors: list[dict]) -> str | None:
         """Local parameters, AdamW moments, counters, data cursors and clock (rank 0, create-only)."""
-        names = [n for n, _ in self.model.named_parameters()]
-        tensors, adam_steps = ckpt.checkpoint_tensors(modelmod.get_tensors(self.model, names), self.model,
-                                                      self.optimizer)
+        tensors, adam_steps = self._checkpoint_state()
         header = codec.Header(
             kind="checkpoint", run_id=self.spec.run_id, learner=self.learner_id, seq=self.uploader.next_seq,
             clock=self.clock, num_steps=self.step, num_tokens=self.tokens_total,
@@ -189,6 +188,11 @@ class Learner:
                    "world": self.world, "plan_digest": self.spec.plan.digest(), "reason": self.stop_reason},
         )
         return ckpt.write_checkpoint(self.store, self.learner_id, tensors, header, signer=self.signer)
+
+    def _checkpoint_state(self):
+        """(tensors, AdamW steps) of a checkpoint; a collective when the model is sharded."""
+        names = [n for n, _ in self.model.named_parameters()]
+        return ckpt.checkpoint_tensors(modelmod.get_tensors(self.model, names), self.model, self.optimizer)
 
     def _resume(self, index: dict[int, int]) -> str | None:
         """Continue from this learner's newest checkpoint: its data cursors, step count and AdamW
@@ -218,13 +222,12 @@ class Learner:
         tensors = found[2] if found is not None else {}
         if info["compatible"]:
             if self.rank == 0:
-                modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in ckpt.params_of(tensors).items()})
                 self.clock = self.clock.merge(found[1].clock)
                 for p, v in enumerate(info["base_version"]):
                     if int(v) != self.base_version[p]:
                         self.base[p] = self._read_global(p, int(v))[1]
                         self.base_version[p] = int(v)
-            ranks.broadcast_model(self.model, self.world)
+            ranks.load_params(self.model, ckpt.params_of(tensors) if self.rank == 0 else None, self.world)
             self.c_steps = [int(x) for x in info["c_steps"]]
             self.c_tokens = [int(x) for x in info["c_tokens"]]
             self.last_sent_step = [int(x) for x in info["last_sent_step"]]
@@ -394,13 +397,15 @@ class Learner:
         self.closed = True
         cursors = ranks.gather_objects(self.reader.state_dict(), self.world) if self.cfg.checkpoint_on_exit else []
         if self.rank != 0:
+            if self.sharded:  # rank 0's final sends and checkpoint gather whole tensors: take part
+                self._flush_sends()
+                if self.cfg.checkpoint_on_exit:
+                    self._checkpoint_state()
             return {}
         self.train_s = time.monotonic() - self.started  # throughput excludes the exit path
         t0 = time.monotonic()
         try:
-            for p in range(len(self.c_steps)) if self.cfg.sync_enabled else ():
-                if self.step > self.last_sent_step[p]:
-                    self.send(p, 0.0)
+            self._flush_sends()
             flushed = self.uploader.close(self.cfg.flush_deadline_s)
             self.poller.stop()
             checkpoint = self._exit_checkpoint(cursors, t0)
@@ -414,6 +419,11 @@ class Learner:
                  self.learner_id, self.stop_reason, self.step, self.tokens_total,
                  self.uploader.counters["deltas_sent"], flushed)
         return summary
+
+    def _flush_sends(self) -> None:
+        for p in range(len(self.c_steps)) if self.cfg.sync_enabled else ():
+            if self.step > self.last_sent_step[p]:
+                self.send(p, 0.0)
 
     def _exit_checkpoint(self, cursors: list[dict], t0: float) -> str | None:
         if not self.cfg.checkpoint_on_exit:
@@ -430,17 +440,7 @@ class Learner:
         return checkpoint
 
     def _status(self, state: str = "running") -> dict:
-        export_store_stats(self.registry, "learner", self.store.stats.snapshot())
-        elapsed = max(1e-9, self.train_s if self.train_s is not None else time.monotonic() - self.started)
-        return {
-            "learner": self.learner_id, "region": self.cfg.region, "state": state, "step": self.step,
-            "tokens": self.tokens_total, "tokens_per_s": self.tokens_total / elapsed, "loss": self.loss_ema,
-            "step_s": self.step_ema if state == "running" else None, "versions": self.base_version, "time": time.time(), "host": socket.gethostname(),
-            "pid": os.getpid(), "world_size": self.world, "uploads": dict(self.uploader.counters),
-            "upload_queue": self.uploader.depth(), "poller": dict(self.poller.counters),
-            "fragment_steps": {"trained": self.frag_steps_trained, "discarded": self.frag_steps_discarded},
-            "storage": self.store.stats.snapshot(),
-        }
+        return status_record(self, state)
 
 
 def default_learner_id() -> str:

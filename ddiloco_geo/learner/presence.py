@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
+import time
 from typing import Any, Callable
 
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import NotFoundError, StorageError
 from ddiloco_geo.core.signing import sign_record
+from ddiloco_geo.metrics import export_store_stats
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -70,3 +74,20 @@ class Presence:
             self.beat(state="exited")
         except StorageError as exc:
             log.warning("exit_record_failed error=%s", exc)
+
+
+def status_record(learner: Any, state: str = "running") -> dict[str, Any]:
+    """The body of a learner's heartbeat and exit record (what ``status`` and ``local`` show)."""
+    export_store_stats(learner.registry, "learner", learner.store.stats.snapshot())
+    elapsed = max(1e-9, learner.train_s if learner.train_s is not None else time.monotonic() - learner.started)
+    return {
+        "learner": learner.learner_id, "region": learner.cfg.region, "state": state, "step": learner.step,
+        "tokens": learner.tokens_total, "tokens_per_s": learner.tokens_total / elapsed, "loss": learner.loss_ema,
+        "step_s": learner.step_ema if state == "running" else None, "versions": learner.base_version,
+        "time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "world_size": learner.world,
+        "parallel": "fsdp" if learner.sharded else ("ddp" if learner.world > 1 else "none"),
+        "uploads": dict(learner.uploader.counters), "upload_queue": learner.uploader.depth(),
+        "poller": dict(learner.poller.counters),
+        "fragment_steps": {"trained": learner.frag_steps_trained, "discarded": learner.frag_steps_discarded},
+        "storage": learner.store.stats.snapshot(),
+    }

@@ -1,5 +1,5 @@
 """A learner under ``torchrun``: its ranks are one ordinary data-parallel job (gloo on CPU, nccl on
-GPU). Only rank 0 talks to storage; what it reads (the model, adoptions, the stop flag, the
+GPU), replicated (DDP) or sharded (FSDP2, ``learner.parallel = "fsdp"``). Only rank 0 talks to storage; what it reads (the model, adoptions, the stop flag, the
 resume plan) reaches the other ranks through these collectives, among the learner's own ranks
 only, never from a bucket. With one process (``world == 1``) every function is a no-op.
 """
@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
+from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.fragments import FragmentPlan
 
@@ -35,6 +37,36 @@ def broadcast_model(model: torch.nn.Module, world: int) -> None:
     if world > 1:
         for t in model.parameters():
             dist.broadcast(t.data, src=0)
+
+
+def shard_model(model: torch.nn.Module, parallel: str, world: int) -> bool:
+    """With ``parallel == "fsdp"`` and more than one rank: FSDP2 ``fully_shard`` on every block (each
+    child of a ``ModuleList``: the built-in GPT's ``blocks``, a transformers model's ``layers``) and
+    on the whole model, so parameters, gradients and AdamW state are sharded across the learner's
+    ranks. Parameters become ``DTensor``s; :func:`ddiloco_geo.core.model.get_tensors` gathers them
+    whole (every rank calls it at the same points: sends, keep_progress adoptions, the checkpoint).
+    True if the model was sharded."""
+    if parallel != "fsdp" or world == 1:
+        return False
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                fully_shard(block)
+    fully_shard(model)
+    return True
+
+
+def load_params(model: torch.nn.Module, tensors: dict[str, torch.Tensor] | None, world: int) -> None:
+    """Rank 0's whole parameters (``tensors``, None on the other ranks) into every rank's model,
+    replicated or sharded, one parameter at a time."""
+    if world == 1:
+        modelmod.set_tensors(model, tensors or {})
+        return
+    for name, param in model.named_parameters():
+        t = tensors[name] if tensors is not None else torch.empty(param.shape, dtype=torch.float32)
+        t = t.to(device=param.device, dtype=torch.float32)
+        dist.broadcast(t, src=0)
+        modelmod.set_tensors(model, {name: t})
 
 
 def broadcast_tensor(t: torch.Tensor, world: int) -> torch.Tensor:

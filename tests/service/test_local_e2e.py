@@ -92,8 +92,11 @@ def test_local_directory_default_and_status_with_signed_objects(tmp_path):
     assert snap["totals"]["learner_bytes"] > 0 and snap["totals"]["estimated_egress_usd"] > 0
 
 
-def test_learner_under_torchrun_with_two_ranks(tmp_path):
-    """Inside a learner, an ordinary data-parallel job: 2 gloo ranks, rank 0 alone talks to storage."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_learner_under_torchrun_with_two_ranks(tmp_path, parallel):
+    """Inside a learner, an ordinary data-parallel job: 2 gloo ranks, rank 0 alone talks to storage;
+    the model replicated (DDP) or sharded (FSDP2). Restarted, it resumes from its exit checkpoint
+    (parameters and AdamW moments gathered whole, then re-sharded)."""
     store = f"file://{tmp_path / 'store'}"
     settings = tmp_path / "settings.toml"
     settings.write_text(
@@ -101,23 +104,30 @@ def test_learner_under_torchrun_with_two_ranks(tmp_path):
         '[learner]\nmax_steps = 24\nlog_every = 4\n'
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    common = ["--config", str(settings), "--store", store]
+    common = ["--config", str(settings), "--store", store, "--set", f"learner.parallel={parallel}"]
     syncer = subprocess.Popen([sys.executable, "-m", "ddiloco_geo", "syncer", *common], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    def run_learner(*extra: str) -> dict:
         learner = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             "-m", "ddiloco_geo", "learner", "--id", "ddp-learner", "--json", *common],
+             "-m", "ddiloco_geo", "learner", "--id", "ddp-learner", "--json", *common, *extra],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=deadline(300),
         )
         assert learner.returncode == 0, learner.stderr[-4000:]
         lines = [l for l in learner.stdout.splitlines() if l.startswith("{")]
         assert len(lines) == 1, learner.stdout  # only rank 0 reports
-        result = json.loads(lines[0])
-        assert result["world_size"] == 2
+        return json.loads(lines[0])
+
+    try:
+        result = run_learner()
+        assert result["world_size"] == 2 and result["parallel"] == parallel
         assert result["step"] == 24
         assert result["tokens"] == 24 * 2 * 8 * 128  # steps x ranks x batch x block
         assert result["uploads"]["deltas_sent"] >= 8
+        assert result["checkpoint"]
+        again = run_learner("--set", "learner.max_steps=32")
+        assert again["resumed_from"] == result["checkpoint"] and again["step"] == 32, again
+        assert again["uploads"]["deltas_sent"] >= 1
     finally:
         syncer.terminate()
         out, _ = syncer.communicate(timeout=deadline(120))
