@@ -7,6 +7,7 @@ import argparse
 import json
 
 from ddiloco_geo.cli.settings import settings_from
+from ddiloco_geo.core.signing import tool_keys
 from ddiloco_geo.ops.gc import apply_gc, bytes_held, plan_gc
 from ddiloco_geo.storage import open_store
 
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         before = bytes_held(store) if args.bytes else None
         plan = plan_gc(store, keep_versions=cfg.keep_versions, replay_window_s=cfg.replay_window_s,
-                       lag_window_s=cfg.lag_window_s)
+                       lag_window_s=cfg.lag_window_s, verifier=tool_keys(settings.security)[0])
         deleted = 0 if args.dry_run else apply_gc(store, plan)
         result = {"dry_run": args.dry_run, **plan.summary(), "deleted": deleted}
         if before is not None:

@@ -24,6 +24,12 @@ floor (replay does not recompute the root) and deltas rejected more than ``repla
 Never: ``run.json``, the index, heartbeats, exit and checkpoint objects, the event tape, leases,
 status, reject and quarantine records, manifests, and any delta not yet accounted for.
 
+In a signed run (``security.run_secret`` set) only objects the syncer signed decide what goes: merge
+and rejection records and the newest version of each fragment (a forged global at a huge version is
+not "newest"; a forged rejection or merge record cannot get an honest pending delta deleted);
+heartbeats count only if their learner signed them. Whatever does not verify, and malformed
+manifests, are skipped and counted (``skipped_unverified``); they can only make gc keep more.
+
 Races with a live run: versions only move forward and merged deltas are never read again by the
 syncer, so a plan made from a listing stays safe while the run goes on; a learner that adopts a
 version below the floor would have to be one whose heartbeat is older than ``lag_window_s``.
@@ -32,8 +38,8 @@ Deletes run deltas first, then updates, globals and states.
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -41,8 +47,10 @@ from typing import Any
 
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import CodecError, LayoutError, NotFoundError
+from ddiloco_geo.core.signing import Verifier
 from ddiloco_geo.protocol.index import read_header
 from ddiloco_geo.protocol.ledger import learner_ids, merge_records
+from ddiloco_geo.protocol.verified import SYNCER_SIGNER, Skipped, heartbeat, read_record, verified_header
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,7 @@ class GcPlan:
     delete: list[str] = field(default_factory=list)
     kept: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
+    skipped: Skipped = field(default_factory=Skipped)
 
     def summary(self) -> dict[str, Any]:
         kinds: dict[str, int] = defaultdict(int)
@@ -65,7 +74,8 @@ class GcPlan:
         return {"floors": {str(p): v for p, v in sorted(self.floors.items())},
                 "newest": {str(p): v for p, v in sorted(self.newest.items())},
                 "objects_to_delete": len(self.delete), "by_kind": dict(sorted(kinds.items())),
-                "objects_kept": self.kept, "floor_reasons": self.reasons}
+                "objects_kept": self.kept, "floor_reasons": self.reasons,
+                "skipped_unverified": self.skipped.as_dict()}
 
 
 def _kind(key: str) -> str:
@@ -76,8 +86,9 @@ def _kind(key: str) -> str:
     return "update" if key.rsplit("/", 1)[-1].startswith("u") else "global"
 
 
-def _manifest_keys(store: Store) -> tuple[set[str], dict[int, int]]:
-    """Every object key any snapshot names, and the oldest snapshot version per fragment."""
+def _manifest_keys(store: Store, skipped: Skipped) -> tuple[set[str], dict[int, int]]:
+    """Every object key any snapshot names, and the oldest snapshot version per fragment (a
+    manifest only makes gc keep more; a malformed one is skipped and counted)."""
     keys: set[str] = set()
     oldest: dict[int, int] = {}
 
@@ -94,14 +105,23 @@ def _manifest_keys(store: Store) -> tuple[set[str], dict[int, int]]:
     for key in store.list(layout.SNAPSHOTS):
         if not key.endswith("/manifest.json"):
             continue
-        manifest = json.loads(store.get(key))
+        manifest = read_record(store, key, skipped=skipped, kind="manifest")
+        if manifest is None:  # missing or not a JSON object: counted by read_record
+            continue
+        fragments = manifest.get("fragments")
+        if not isinstance(fragments, dict) or not all(
+                str(p).isdigit() and isinstance(e, dict) and type(e.get("version")) is int for p, e in fragments.items()):
+            skipped.add("manifest", key, "malformed")
+            continue
         walk(manifest)
-        for p, entry in (manifest.get("fragments") or {}).items():
+        for p, entry in fragments.items():
             oldest[int(p)] = min(oldest.get(int(p), entry["version"]), entry["version"])
     return keys, oldest
 
 
-def _versions(store: Store) -> dict[int, list[int]]:
+def _versions(store: Store, verifier: Verifier | None, skipped: Skipped) -> dict[int, list[int]]:
+    """Listed versions per fragment up to the newest one the syncer signed (with ``verifier``):
+    a forged global at a huge version must not become the "newest" that floors count from."""
     out: dict[int, list[int]] = defaultdict(list)
     for key in store.list(layout.GLOBALS):
         try:
@@ -109,32 +129,44 @@ def _versions(store: Store) -> dict[int, list[int]]:
         except LayoutError:
             continue
         out[p].append(v)
-    return {p: sorted(vs) for p, vs in out.items()}
+    kept = {}
+    for p, vs in out.items():
+        vs.sort()
+        while vs and verifier is not None:
+            try:
+                verified_header(store, layout.global_key(p, vs[-1]), verifier, SYNCER_SIGNER)
+                break
+            except (CodecError, NotFoundError) as exc:
+                skipped.add("global", layout.global_key(p, vs.pop()), str(exc))
+        if vs:
+            kept[p] = vs
+    return kept
 
 
-def _live_bases(store: Store, now: float, lag_window_s: float) -> dict[int, int]:
-    """Lowest base version per fragment among learners whose heartbeat is recent."""
+def _live_bases(store: Store, now: float, lag_window_s: float, verifier: Verifier | None,
+                skipped: Skipped) -> dict[int, int]:
+    """Lowest base version per fragment among learners whose (verified) heartbeat is recent."""
     low: dict[int, int] = {}
     for learner in learner_ids(store)[0]:
-        try:
-            beat = json.loads(store.get(layout.heartbeat_key(learner)))
-        except (NotFoundError, ValueError):
+        beat = heartbeat(store, learner, verifier, skipped)
+        if beat is None or beat["time"] is None or now - beat["time"] > lag_window_s:
             continue
-        if now - float(beat.get("time", 0)) > lag_window_s:
-            continue
-        for p, v in enumerate(beat.get("versions") or []):
-            low[p] = min(low.get(p, v), int(v))
+        for p, v in enumerate(beat["versions"] or []):
+            low[p] = min(low.get(p, v), v)
     return low
 
 
 def plan_gc(store: Store, *, keep_versions: int, replay_window_s: float, lag_window_s: float,
-            now: float | None = None) -> GcPlan:
-    """What the policy deletes now; reads only (listings, records, heartbeats, delta headers)."""
+            now: float | None = None, verifier: Verifier | None = None) -> GcPlan:
+    """What the policy deletes now; reads only (listings, records, heartbeats, delta headers). With
+    ``verifier`` (a signed run) only what the syncer signed decides a deletion: merge and
+    rejection records and the newest version; what does not verify is skipped and counted."""
     now = time.time() if now is None else now
-    versions = _versions(store)
-    records = {(int(r["fragment"]), int(r["version"])): r for r in merge_records(store)}
-    pinned, snap_oldest = _manifest_keys(store)
-    live = _live_bases(store, now, lag_window_s)
+    skipped = Skipped()
+    versions = _versions(store, verifier, skipped)
+    records = {(int(r["fragment"]), int(r["version"])): r for r in merge_records(store, verifier, skipped)}
+    pinned, snap_oldest = _manifest_keys(store, skipped)
+    live = _live_bases(store, now, lag_window_s, verifier, skipped)
     written = sorted(k for learner in learner_ids(store)[0] for k in store.list(layout.deltas_dir(learner)))
     merged_in: dict[str, tuple[int, int]] = {}
     for (p, v), rec in records.items():
@@ -144,11 +176,10 @@ def plan_gc(store: Store, *, keep_versions: int, replay_window_s: float, lag_win
             merged_in.setdefault(key, (p, v))
     rejected_at: dict[str, float] = {}
     for key in store.list(layout.SYNCER + "rejected/"):
-        try:
-            rec = json.loads(store.get(key))
-            rejected_at[rec["key"]] = float(rec.get("at", now))
-        except (ValueError, KeyError, TypeError, NotFoundError):
-            continue
+        rec = read_record(store, key, verifier, SYNCER_SIGNER, skipped, "reject_record")
+        at = rec.get("at", now) if rec is not None else None
+        if rec is not None and isinstance(rec.get("key"), str) and isinstance(at, (int, float)) and math.isfinite(at):
+            rejected_at[rec["key"]] = float(at)
     pending_bases: dict[int, int] = {}
     for key in written:
         if key in merged_in or key in rejected_at:
@@ -172,7 +203,7 @@ def plan_gc(store: Store, *, keep_versions: int, replay_window_s: float, lag_win
                 floor, why = value, name
         while True:  # kept versions must be recomputable from kept objects
             needed = [floor]
-            for v in range(floor + 1, vs[-1] + 1):
+            for v in (x for x in vs if x > floor):  # listed ones only: a forged v9999999999 is one entry
                 rec = records.get((p, v), {})
                 needed += [int(e["base_version"]) for e in rec.get("merged") or []]
                 if rec.get("kind") == "rollback" and isinstance(rec.get("from_version"), int):
@@ -183,7 +214,7 @@ def plan_gc(store: Store, *, keep_versions: int, replay_window_s: float, lag_win
         floors[p] = max(vs[0], floor)
         reasons[why] += 1
 
-    plan = GcPlan(floors, {p: vs[-1] for p, vs in versions.items()}, reasons=dict(reasons))
+    plan = GcPlan(floors, {p: vs[-1] for p, vs in versions.items()}, reasons=dict(reasons), skipped=skipped)
     for key in written:
         if key in pinned:
             continue

@@ -168,12 +168,16 @@ class Replayer:
 
     # --- one fragment ----------------------------------------------------------------------------
 
-    def replay_fragment(self, p: int, versions: list[int], done_before: int, total: int) -> None:
+    def replay_fragment(self, p: int, versions: list[int], done_before: int, total: int,
+                        set_aside: frozenset[int] = frozenset()) -> None:
+        """Check ``versions`` in order, each from the one before it; a number in ``set_aside`` (a
+        forged global the syncer recorded and published above) is not a gap."""
         if not versions:
             raise Divergence(p, -1, "missing", f"fragment {p} has no published version")
         root = versions[0]
-        if versions != list(range(root, root + len(versions))):
-            missing = next(root + i for i, v in enumerate(versions) if v != root + i)
+        chain = sorted(set(versions) | {v for v in set_aside if root < v < versions[-1]})
+        if chain != list(range(root, root + len(chain))):
+            missing = next(root + i for i, v in enumerate(chain) if v != root + i)
             raise Divergence(p, missing, "missing", f"fragment {p} has no version {missing} but has later ones")
         header, params = self._global(p, root)
         state = self._state(p, root, header)
@@ -334,7 +338,9 @@ def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any]
            progress: Callable | None = None, verifier=None, require_signatures: bool = False) -> dict[str, Any]:
     """Check every published version of ``fragments`` (default: all); returns the JSON result. With
     ``verifier`` only syncer-signed versions are replayed: a forged one is left out and counted
-    (``skipped_unverified``); the chain then has a gap, reported as a missing version."""
+    (``skipped_unverified``). A forged version the syncer set aside (its signed record under
+    ``syncer/forged/``; the syncer published the same merge at the next number) is not a gap; any
+    other missing version is reported as a divergence."""
     if initial_params is None:
         initial_params = initial_weights(spec)
     todo = list(range(spec.plan.num_fragments)) if fragments is None else list(fragments)
@@ -343,6 +349,7 @@ def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any]
             raise DdilocoError(f"fragment {p} is not in the run's plan (0..{spec.plan.num_fragments - 1})")
     skipped = protocol.Skipped()
     versions = {p: _verified_versions(store, p, verifier, skipped) for p in todo}
+    set_aside = {p: _set_aside(store, p, verifier) for p in todo}
     total = sum(len(v) for v in versions.values())
     r = Replayer(store, spec, outer_kwargs=outer_kwargs, is_embedding=embedding_rule(ModelConfig.model_validate(spec.model)),
                  initial_params=initial_params, update_codec=update_codec, progress=progress,
@@ -351,7 +358,7 @@ def replay(store: Store, spec: protocol.RunSpec, *, outer_kwargs: dict[str, Any]
     done = 0
     for p in todo:
         try:
-            r.replay_fragment(p, versions[p], done, total)
+            r.replay_fragment(p, versions[p], done, total, set_aside[p])
         except Divergence as d:
             divergences.append(d.info)
             log.warning("replay_divergence %s", json.dumps(d.info))
@@ -382,6 +389,18 @@ def _verified_versions(store: Store, p: int, verifier, skipped) -> list[int]:
         except (CodecError, NotFoundError) as exc:
             skipped.add("global", layout.global_key(p, v), getattr(exc, "reason", str(exc)))
     return out
+
+
+def _set_aside(store: Store, p: int, verifier) -> frozenset[int]:
+    """Versions of ``p`` the syncer recorded as forged and set aside (signed records only, with
+    ``verifier``; a record naming another version than its key is ignored)."""
+    out = set()
+    for key in store.list(layout.forged_key(p, 0).rsplit("/", 1)[0] + "/"):
+        rec = protocol.read_record(store, key, verifier, "syncer" if verifier is not None else None)
+        v = rec.get("version") if rec is not None else None
+        if type(v) is int and v >= 0 and rec.get("fragment") == p and layout.forged_key(p, v) == key:
+            out.add(v)
+    return frozenset(out)
 
 
 def initial_weights(spec: protocol.RunSpec) -> dict[str, torch.Tensor]:

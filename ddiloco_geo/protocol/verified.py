@@ -194,6 +194,14 @@ def _storage(value: Any) -> dict[str, int]:
     return {k: _count(value.get(k)) or 0 for k in ("bytes_up", "bytes_down")}
 
 
+def _versions(value: Any) -> list[int] | None:
+    """A learner's base version per fragment: a list of non-negative ints, else absent."""
+    if not isinstance(value, list) or len(value) > 100_000:
+        return None
+    out = [_count(v) for v in value]
+    return None if any(v is None for v in out) else out
+
+
 def clean_learner_record(rec: dict[str, Any]) -> dict[str, Any]:
     """The fields of a heartbeat or exit record that tools use, each checked (absent if invalid):
     numbers finite and in range, strings short, nested objects objects. Times more than a day in
@@ -208,6 +216,7 @@ def clean_learner_record(rec: dict[str, Any]) -> dict[str, Any]:
         "upload_queue": _count(rec.get("upload_queue")),
         "uploads": {"deltas_sent": _count(uploads.get("deltas_sent"))},
         "storage": _storage(rec.get("storage")),
+        "versions": _versions(rec.get("versions")),
         "history": [h for h in history[:100_000] if isinstance(h, dict)],
         "signer": _text(rec.get("signer")),
         "checkpoint": _text(rec.get("checkpoint")), "resumed_from": _text(rec.get("resumed_from")),

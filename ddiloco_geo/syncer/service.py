@@ -304,20 +304,20 @@ class Syncer:
         (``version``: the number to try, above a forged one; default the next)."""
         p = state.fragment
         version = state.version + 1 if version is None else version
-        clock = clock.tick(SYNCER_ACTOR)
+        ticked = clock.tick(SYNCER_ACTOR)
         is_merge = record.get("kind") == "merge"
-        update, residual = None, state.residual
+        update, published, residual = None, params, state.residual
         if is_merge and self.update_codec != "none":
             header = codec.Header(kind="update", run_id=self.spec.run_id, fragment=p, version=version,
-                                  base_version=state.version, clock=clock)
-            update, params, residual = compress_update(state.params, params, state.residual, header,
-                                                       self.update_codec, self.spec.block_size, signer=self.signer)
+                                  base_version=state.version, clock=ticked)
+            update, published, residual = compress_update(state.params, params, state.residual, header,
+                                                          self.update_codec, self.spec.block_size, signer=self.signer)
         tensors, outer_steps = outer_state_to_wire(outer)
         tensors.update({RESIDUAL + n: t for n, t in residual.items()})
         state_key = commit_version(
-            self.store, run_id=self.spec.run_id, fragment=p, version=version, params=params,
+            self.store, run_id=self.spec.run_id, fragment=p, version=version, params=published,
             state_tensors=tensors, state_extra={"consumed": consumed, "outer_num_steps": outer_steps},
-            record=record, clock=clock, signer=self.signer,
+            record=record, clock=ticked, signer=self.signer,
             after_commit={layout.global_update_key(p, version): update} if update is not None else None,
             advance_index=False, verifier=self.verifier,
         )
@@ -329,10 +329,11 @@ class Syncer:
                 return False
             except CodecError as exc:  # a forged or corrupt winner: set it aside, publish above it
                 record_forged(self.store, p, version, f"{exc.reason}: {exc.detail}", self.signer)
+            # the same merge again, from the same inputs (not from what this try compressed)
             return self._publish_above_forged(state, params, outer, record, consumed, clock, version)
         state.forged_skips = 0
-        state.remember(version, params)
-        state.version, state.params, state.outer, state.clock = version, params, outer, clock
+        state.remember(version, published)
+        state.version, state.params, state.outer, state.clock = version, published, outer, ticked
         state.consumed, state.residual = consumed, residual
         state.pending = [d for d in state.pending if d.seq > consumed.get(d.learner, -1)]
         state.quorum_s = None

@@ -8,7 +8,7 @@ import time
 
 from ddiloco_geo import protocol
 from ddiloco_geo.cli.main import main
-from ddiloco_geo.core import layout
+from ddiloco_geo.core import layout, signing
 from ddiloco_geo.ops.gc import apply_gc, bytes_held, plan_gc
 from ddiloco_geo.ops.replay import replay
 from ddiloco_geo.ops.snapshot import load_manifest, restore_to, take_snapshot
@@ -87,3 +87,43 @@ def test_gc_keeps_what_snapshot_lagging_learner_syncer_and_replay_need(history, 
     again = plan_gc(run.store, **POLICY)
     apply_gc(run.store, again)
     assert replay(run.store, run.spec, outer_kwargs=OUTER)["ok"]
+
+
+SECRET = "gc-signed-run-secret-0123456789abcdef"
+
+
+def test_forged_objects_cannot_make_gc_delete_honest_objects(history):
+    """Anywhere write in a signed run: a forged rejection record and a forged merge record (tape entry;
+    the global's signed header is read instead) naming an honest delta in flight, a forged global at a huge version of every fragment, a heartbeat with a
+    string time, a malformed manifest. gc keeps the delta and every honest version it would keep
+    anyway, does not crash, and counts what it skipped. Without a verifier the same bucket would
+    lose its newest honest versions (what the verification prevents)."""
+    run, syncer = history(rounds=4, **{"security.run_secret": SECRET})
+    num = run.spec.plan.num_fragments
+    newest = {p: syncer.fragments[p].version for p in range(num)}
+    pending = run.write_delta("a", 0, base_version=newest[0])  # not polled yet: in flight
+    run.store.put_if_absent(layout.rejected_key("a", 10**6, 0),
+                            json.dumps({"key": pending, "learner": "a", "reason": "norm", "at": 0}).encode())
+    tape = layout.tape_key(0, 1)
+    forged_entry = {**json.loads(run.store.get(tape)), "merged": [{"key": pending, "learner": "a", "seq": 0,
+                                                                   "base_version": 0, "weight": 1.0}]}
+    forged_entry.pop("signature", None)
+    run.store.cas(tape, json.dumps(forged_entry).encode(), run.store.read_token(tape)[1])
+    for p in range(num):
+        run.store.put_if_absent(layout.global_key(p, 10**9), b"forged global")
+    run.store.cas(layout.heartbeat_key("ghost"), json.dumps({"time": "now", "versions": ["x"]}).encode(), None)
+    run.store.put_if_absent(layout.snapshot_manifest_key("junk"), b"{not json")
+
+    plan = plan_gc(run.store, **POLICY, verifier=signing.run_verifier(SECRET))
+    assert pending not in plan.delete
+    assert plan.newest == newest
+    kept_floor = {p: newest[p] - POLICY["keep_versions"] + 1 for p in range(num)}
+    assert not [k for k in plan.delete if k.startswith(layout.GLOBALS) and
+                layout.parse_global_key(k)[1] >= kept_floor[layout.parse_global_key(k)[0]]]
+    skipped = plan.summary()["skipped_unverified"]["by_kind"]
+    assert skipped.get("global", 0) >= num and skipped.get("reject_record", 0) >= 1, skipped
+    assert skipped.get("manifest") == 1 and skipped.get("heartbeat") == 1, skipped
+
+    unverified = plan_gc(run.store, **POLICY)  # the attack without verification: the newest honest
+    assert unverified.newest[1] == 10**9          # version of fragment 1 would go
+    assert layout.global_key(1, newest[1]) in unverified.delete

@@ -13,7 +13,8 @@ from ddiloco_geo.core import config
 
 from ddiloco_geo.core import layout
 
-from ddiloco_geo.core import merge
+from ddiloco_geo.core import merge, signing
+from ddiloco_geo.core.clocks import VectorClock
 
 from ddiloco_geo import protocol
 from ddiloco_geo.ops.replay import read_state, replay
@@ -56,7 +57,7 @@ def test_replay_reproduces_every_version_bit_for_bit(history):
 def test_replay_with_every_update_codec(history, update_codec):
     run, _ = history(rounds=3, **{"syncer.update_codec": update_codec})
     result = replay(run.store, run.spec, outer_kwargs=OUTER)
-    assert result["ok"], result["first_divergence"]
+    assert result["ok"], (forged_v, {k: v for k, v in result["first_divergence"].items() if k != "detail"})
     assert result["versions_checked"] == 4 * 4
 
 
@@ -210,3 +211,29 @@ def test_replay_without_an_update_object_tries_the_configured_codec(history):
     copy.delete(missing)
     assert replay(copy, run.spec, outer_kwargs=OUTER, update_codec="int4")["ok"]
     assert replay(copy, run.spec, outer_kwargs=OUTER, update_codec="none")["ok"]  # the record wins
+
+
+SECRET = "replay-signed-run-secret-0123456789abcdef"
+
+
+def test_a_forged_global_the_syncer_set_aside_is_not_a_gap(history):
+    """Anywhere write in a signed run: a forged global at fragment 0's next version. The syncer sets
+    it aside and publishes that merge at the number after; replay (with the run's verifier) skips
+    the forged object, counts it, and checks the chain across it. Without the syncer's record of
+    the set-aside (an attacker deleted it) the gap is reported."""
+    run, syncer = history(rounds=2, **{"security.run_secret": SECRET})
+    forged_v = syncer.fragments[0].version + 1
+    tensors = {n: torch.full(s, 7.0) for n, s in run.spec.plan.expect(0).items()}
+    header = codec.Header(kind="global", run_id=run.spec.run_id, fragment=0, version=forged_v, clock=VectorClock())
+    wrong = signing.signer_for("not-the-run-secret-0123456789abcdef", "syncer")
+    assert run.store.put_if_absent(layout.global_key(0, forged_v), codec.encode(tensors, header, codec="fp32", signer=wrong))
+    merge_rounds(run, syncer, 2, start=2)
+    assert syncer.fragments[0].version > forged_v + 1
+    assert run.store.list(layout.forged_key(0, forged_v))
+    result = replay(run.store, run.spec, outer_kwargs=OUTER, verifier=signing.run_verifier(SECRET), require_signatures=True)
+    assert result["ok"], (forged_v, {k: v for k, v in result["first_divergence"].items() if k != "detail"})
+    assert result["skipped_unverified"]["by_kind"] == {"global": 1}
+    run.store.delete(layout.forged_key(0, forged_v))
+    d = replay(run.store, run.spec, outer_kwargs=OUTER, verifier=signing.run_verifier(SECRET),
+               require_signatures=True)["first_divergence"]
+    assert d["fragment"] == 0 and d["version"] == forged_v and d["what"] == "missing", d

@@ -16,6 +16,7 @@ from ddiloco_geo.core import layout
 from ddiloco_geo import protocol
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.model import is_embedding
+from ddiloco_geo.core.signing import signer_for, syncer_keys
 from ddiloco_geo.storage import open_store
 from ddiloco_geo.protocol import build_spec
 from ddiloco_geo.syncer import Syncer
@@ -56,7 +57,8 @@ class Run:
 
     def syncer(self) -> Syncer:
         s = Syncer(self.store, self.spec, **self.settings.syncer.model_dump(),
-                   is_embedding=lambda n: is_embedding(n, self.settings.model.embedding_patterns), now=self.clock)
+                   is_embedding=lambda n: is_embedding(n, self.settings.model.embedding_patterns), now=self.clock,
+                   **syncer_keys(self.settings.security))
         s.bootstrap(self.params)
         return s
 
@@ -78,7 +80,9 @@ class Run:
                           base_version=base_version, clock=VectorClock({learner: seq + 1}), num_steps=steps,
                           num_tokens=tokens)
             fields.update(header_overrides or {})
-            raw = codec.encode(pseudo_grad, codec.Header(**fields), codec=codec_name)
+            secret = self.settings.security.run_secret  # a signed run: the learner signs with its key
+            signer = signer_for(secret.get_secret_value(), "learner", learner) if secret is not None else None
+            raw = codec.encode(pseudo_grad, codec.Header(**fields), codec=codec_name, signer=signer)
         assert self.store.put_if_absent(key, raw)
         return key
 
