@@ -23,7 +23,7 @@ import logging
 import random
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ddiloco_geo import protocol
 from ddiloco_geo.core.model import embedding_rule
@@ -91,8 +91,9 @@ class InProcessRun:
         sp = self.speeds[i]
         return max(0.05 * sp.step_s, self.rng.gauss(sp.step_s, sp.jitter_ratio * sp.step_s))
 
-    def run(self) -> dict[str, Any]:
-        """Run every learner to its max_steps; the syncer drains at the end."""
+    def run(self, progress: Callable[[int], None] | None = None, every: int = 200) -> dict[str, Any]:
+        """Run every learner to its max_steps; the syncer drains at the end. ``progress(step)`` is
+        called each ``every`` steps of learner 0."""
         upcoming = {i: self._draw_step(i) for i in range(len(self.learners))}
         last_end = {i: 0.0 for i in upcoming}
         active = set(upcoming)
@@ -116,6 +117,8 @@ class InProcessRun:
                 active.discard(i)
                 continue
             upcoming[i] = self.now + self._draw_step(i)
+            if progress is not None and i == 0 and learner.step % every == 0:
+                progress(learner.step)
             self.loop.run_until_complete(self.syncer.poll_once())
             self.syncer.merge_ready()
         self.syncer.draining = True

@@ -30,7 +30,9 @@ import concurrent.futures
 import json
 import math
 import multiprocessing
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,17 @@ def _settings(args: argparse.Namespace, M: int, steps: int, arm_settings: dict[s
             **{k: (M if v == "M" else v) for k, v in arm_settings.items()}}
     settings, _ = config.load(cli=config.overrides_tree(getattr(args, "overrides", None), flat))
     return settings
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Pool initializer: a worker whose parent died (killed, Ctrl-C) exits instead of training on
+    for an hour as an orphan."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(2)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _task(job: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.jobs} workers", file=sys.stderr, flush=True)
     results, t0 = [], time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, initializer=_exit_with_parent,
+                                                initargs=(os.getpid(),)) as pool:
         futures = [pool.submit(_task, j) for j in sorted(jobs, key=lambda j: -j["steps"])]
         for i, fut in enumerate(concurrent.futures.as_completed(futures)):
             r = fut.result()

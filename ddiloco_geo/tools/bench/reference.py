@@ -142,7 +142,9 @@ def train_harness(settings, speeds: list[LearnerSpeed], *, seed: int, faults: li
     try:
         print(f"bench: {label} ({settings.learner.max_steps} steps x {len(speeds)} learners)", file=sys.stderr,
               flush=True)
-        status = run.run()
+        steps = settings.learner.max_steps
+        status = run.run(progress=lambda step: print(f"bench: {label} step {step}/{steps} (learner 0)",
+                                                     file=sys.stderr, flush=True))
         model = modelmod.build_model(settings.model)
         modelmod.set_tensors(model, run.global_params())
         c = status["counters"]

@@ -1,0 +1,53 @@
+"""``bench convergence``: the token-efficiency arithmetic, and a tiny study end to end (every kind of
+arm trains, the table and the plot are written)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ddiloco_geo.cli.main import main
+from ddiloco_geo.tools.bench.convergence import token_efficiency
+
+DP = [(1_000, 3.0), (2_000, 2.5), (4_000, 2.0)]  # data-parallel reaches 2.0 at 4,000 tokens
+
+
+@pytest.mark.unit
+def test_efficiency_interpolates_where_the_arm_crosses_data_parallels_final_loss():
+    arm = [(1_000, 3.2), (2_000, 2.6), (4_000, 2.2), (8_000, 1.8)]  # 2.0 halfway (in log tokens) 4k..8k
+    eff, extrapolated = token_efficiency(DP, arm)
+    assert not extrapolated
+    assert eff == pytest.approx(4_000 / (4_000 * math.sqrt(2)))
+
+
+@pytest.mark.unit
+def test_efficiency_extrapolates_and_flags_when_the_arm_never_gets_there():
+    arm = [(1_000, 3.2), (2_000, 2.8), (4_000, 2.4)]  # falls 0.4 per doubling: 2.0 one doubling later
+    eff, extrapolated = token_efficiency(DP, arm)
+    assert extrapolated and eff == pytest.approx(0.5)
+    assert token_efficiency(DP, [(1_000, 2.5), (4_000, 2.6)]) == (0.0, True)  # not improving
+    assert token_efficiency(DP, [(1_000, 1.9), (4_000, 1.5)]) == (4.0, True)  # better from the start
+    assert token_efficiency(DP, [(4_000, 2.0)])[0] is None  # one point: no curve
+
+
+@pytest.mark.slow
+def test_a_tiny_study_runs_every_kind_of_arm_and_writes_table_and_plot(tmp_path):
+    out = tmp_path / "conv"
+    assert main(["bench", "convergence", "--learners", "2", "--tokens-per-param", "0.03", "--horizons", "0.5,1",
+                 "--arms", "lockstep,streaming,adopt,faults", "--dp-lr-scales", "1,1.5", "--jobs", "1",
+                 "--out", str(out), "--set", "data.max_bytes=200000", "--set", "fragments.sync_every=4"]) == 0
+    result = json.loads((out / "convergence.json").read_text())
+    rows = {(r["arm"], r["h"]): r for r in result["table"]}
+    assert set(rows) == {(a, h) for a in ("lockstep", "streaming", "adopt", "faults") for h in (0.5, 1.0)}
+    dp = {(r["h"], r["lr_scale"]): r["eval_loss"] for r in result["dp_runs"]}
+    for (arm, h), r in rows.items():
+        assert r["tokens"] > 0 and math.isfinite(r["eval_loss"])
+        assert r["dp_eval_loss"] == min(dp[(h, 1.0)], dp[(h, 1.5)])  # the tuned baseline
+        assert r["loss_ratio"] == pytest.approx(r["eval_loss"] / r["dp_eval_loss"])
+        if h == 1.0:
+            assert "token_efficiency" in r
+    assert rows[("adopt", 1.0)]["tokens"] == rows[("lockstep", 1.0)]["tokens"]  # same tokens per arm
+    assert rows[("faults", 1.0)]["discarded_ratio"] >= 0
+    assert (out / "convergence.png").stat().st_size > 10_000
