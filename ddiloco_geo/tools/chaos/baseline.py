@@ -8,7 +8,7 @@ deadline still holds: past it, the baseline's processes are SIGKILLed and the re
 ``baseline_error``. A failed baseline is reported, never raised: the chaos report stands on its own.
 
 Adds to the report: ``baseline_store``, ``baseline_eval_loss``, ``loss_ratio`` (chaos final loss /
-baseline final loss), ``baseline_deltas_unaccounted`` and ``goodput_baseline`` (the same goodput
+baseline final loss), ``loss_comparison`` (how the two are compared, and both runs' learner steps), ``baseline_deltas_unaccounted`` and ``goodput_baseline`` (the same goodput
 computation over the baseline's one incarnation per learner).
 """
 
@@ -67,6 +67,13 @@ def run_baseline(settings: Settings, report: dict[str, Any], *, url: str, out: P
     report["baseline_store"] = url
     report["baseline_eval_loss"] = s["final_eval_loss"]
     report["loss_ratio"] = round(report["final_eval_loss"] / s["final_eval_loss"], 4)
+    baseline_steps = sum(int(l.get("steps") or 0) for l in s["learners"].values())
+    report["loss_comparison"] = {
+        "how": "final eval loss of the global model (same held-out batches) over the fault-free run's, both "
+               "after every learner reached its max_steps; not at equal tokens: a learner killed before its "
+               "first checkpoint restarts at step 0 and repeats steps, so the chaos run trains more",
+        "learner_steps": report.get("steps_taken"), "baseline_learner_steps": baseline_steps,
+        "steps_ratio": round(report["steps_taken"] / baseline_steps, 4) if report.get("steps_taken") and baseline_steps else None}
     report["baseline_deltas_unaccounted"] = s["deltas_unaccounted"]
     report["goodput_baseline"] = baseline_goodput(settings, s["learners"])
 
