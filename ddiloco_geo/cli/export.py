@@ -27,14 +27,15 @@ def run(args: argparse.Namespace) -> int:
     settings, _ = settings_from(args)
     store = open_store(settings.storage)
     try:
-        manifest = load_manifest(store, args.snapshot) if args.snapshot else None
+        verifier, required = tool_keys(settings.security)
+        manifest = load_manifest(store, args.snapshot, verifier) if args.snapshot else None
         if args.format == "hf":
-            result = export_hf(store, args.out, manifest, tokenizer_json=tokenizer_json(settings.data))
+            result = export_hf(store, args.out, manifest, tokenizer_json=tokenizer_json(settings.data),
+                               verifier=verifier, require_signatures=required)
             print(json.dumps(result, default=str) if args.json else
                   f"wrote {result['out']}: {result['architecture']}, {result['parameters']} parameters, "
                   f"versions {result['versions']}{', tokenizer' if result['tokenizer'] else ''}")
             return 0
-        verifier, required = tool_keys(settings.security)
         result = export_model(store, args.out, manifest, verifier=verifier, require_signatures=required)
     finally:
         store.close()

@@ -8,6 +8,7 @@ import argparse
 import json
 
 from ddiloco_geo.cli.settings import settings_from
+from ddiloco_geo.core.signing import tool_keys
 from ddiloco_geo.ops.snapshot import DEFAULT_ACTIVE_WINDOW_S, load_manifest, restore_to, rollback
 from ddiloco_geo.storage import open_store
 
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     settings, _ = settings_from(args)
     store = open_store(settings.storage)
     try:
-        manifest = load_manifest(store, args.snapshot)
+        manifest = load_manifest(store, args.snapshot, tool_keys(settings.security)[0])
         if args.rollback:
             result = rollback(store, manifest, force=args.force, active_window_s=args.active_window)
             text = (f"rolled back to snapshot {args.snapshot}: new versions {result['published']}, "

@@ -9,7 +9,7 @@ import json
 from ddiloco_geo import protocol
 from ddiloco_geo.cli.settings import settings_from
 from ddiloco_geo.core import layout
-from ddiloco_geo.core.signing import tool_keys
+from ddiloco_geo.core.signing import tool_keys, tool_signer
 from ddiloco_geo.ops.snapshot import snapshot_versions, take_snapshot
 from ddiloco_geo.storage import open_store
 
@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = protocol.load_spec(store)
         verifier, _ = tool_keys(settings.security)
-        m = take_snapshot(store, spec, args.id, verifier=verifier)
+        m = take_snapshot(store, spec, args.id, verifier=verifier, signer=tool_signer(settings.security))
     finally:
         store.close()
     versions = snapshot_versions(m)

@@ -271,6 +271,13 @@ def learner_keys(security, learner_id: str) -> tuple[Signer | None, Verifier | N
             Verifier(lambda kid: own_key if kid == own_id else None))
 
 
+def tool_signer(security) -> Signer | None:
+    """For operator tools that write what others trust (snapshot manifests): the run's syncer key,
+    which whoever holds the run secret holds; None in an unsigned run."""
+    secret = _secret_or_none(security)
+    return signer_for(secret, "syncer") if secret is not None else None
+
+
 def tool_keys(security) -> tuple[Verifier | None, bool]:
     """For operator tools (status, report, export, replay, snapshot, local's evaluation): a verifier
     of every key and whether signatures are required; (None, False) in an unsigned run."""

@@ -34,23 +34,10 @@ from ddiloco_geo.core import hf
 from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.config import ModelConfig
 from ddiloco_geo.core.errors import ConfigError
-from ddiloco_geo.ops.snapshot import snapshot_versions
+from ddiloco_geo.ops.snapshot import export_params
 from ddiloco_geo.storage import Store
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def read_params(store: Store, spec: protocol.RunSpec, manifest: dict[str, Any] | None) -> tuple[dict, dict[int, int]]:
-    """The global parameters: the newest versions, or the snapshot's."""
-    if manifest is None:
-        return protocol.read_global_params(store, spec)
-    if manifest.get("run_id") != spec.run_id:
-        raise ConfigError(f"snapshot {manifest.get('snapshot')} is of run {manifest.get('run_id')}, not {spec.run_id}")
-    versions = snapshot_versions(manifest)
-    params: dict[str, torch.Tensor] = {}
-    for p, v in sorted(versions.items()):
-        params.update(protocol.read_global(store, spec, p, v)[1])
-    return params, versions
 
 
 def gpt2_config(dims: modelmod.GPTDims) -> Any:
@@ -117,14 +104,15 @@ def _hf_model(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> Any:
 
 
 def export_hf(store: Store, out: str, manifest: dict[str, Any] | None = None, *,
-              tokenizer_json: str | None = None) -> dict[str, Any]:
-    """Write the global model to the directory ``out`` (must not exist, or be empty)."""
+              tokenizer_json: str | None = None, verifier=None, require_signatures: bool = False) -> dict[str, Any]:
+    """Write the global model to the directory ``out`` (must not exist, or be empty); with
+    ``verifier`` only syncer-signed globals (:func:`~ddiloco_geo.ops.snapshot.export_params`)."""
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer
 
     spec = protocol.load_spec(store)
     cfg = ModelConfig.model_validate(spec.model)
-    params, versions = read_params(store, spec, manifest)
+    params, versions, skipped = export_params(store, spec, manifest, verifier, require_signatures)
     lm = _hf_model(cfg, params)
     if tokenizer_json is None and not hf.is_hf(cfg):
         tokenizer_json = byte_tokenizer_json()
@@ -151,4 +139,4 @@ def export_hf(store: Store, out: str, manifest: dict[str, Any] | None = None, *,
         raise
     return {"out": out, "run_id": spec.run_id, "architecture": type(lm).__name__, "versions": info["versions"],
             "parameters": int(sum(t.numel() for t in params.values())), "tokenizer": tokenizer_json is not None,
-            "snapshot": info["snapshot"]}
+            "snapshot": info["snapshot"], "skipped_unverified": skipped.as_dict()}

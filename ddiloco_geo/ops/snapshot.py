@@ -47,6 +47,7 @@ from ddiloco_geo import codec, protocol
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.errors import CodecError, DdilocoError, NotFoundError
+from ddiloco_geo.core.signing import sign_record, verify_record
 from ddiloco_geo.protocol.publish import commit_version
 from ddiloco_geo.storage import Store
 
@@ -92,8 +93,9 @@ def _rejected_keys(store: Store) -> set[str]:
 
 
 def take_snapshot(store: Store, spec: protocol.RunSpec, snapshot_id: str | None = None,
-                  now: float | None = None, verifier=None) -> dict[str, Any]:
-    """Build and write the manifest (create-only); return it. SnapshotError if the id exists."""
+                  now: float | None = None, verifier=None, signer=None) -> dict[str, Any]:
+    """Build and write the manifest (create-only; in a signed run signed with the run's syncer key,
+    which whoever holds the run secret holds); return it. SnapshotError if the id exists."""
     now = time.time() if now is None else now
     snapshot_id = layout.check_id(snapshot_id or default_snapshot_id(now), "snapshot id")
     manifest_key = layout.snapshot_manifest_key(snapshot_id)
@@ -159,6 +161,7 @@ def take_snapshot(store: Store, spec: protocol.RunSpec, snapshot_id: str | None 
         "clock": _clock_json(frontier),
         "index_at_cut": {str(p): v for p, v in sorted(index.items())},
     }
+    manifest = sign_record(manifest, signer)
     body = json.dumps(manifest, indent=1, sort_keys=True).encode()
     if not store.put_if_absent(manifest_key, body):
         if store.get(manifest_key) != body:  # a retried create finds its own object: that is fine
@@ -169,7 +172,8 @@ def take_snapshot(store: Store, spec: protocol.RunSpec, snapshot_id: str | None 
     return manifest
 
 
-def load_manifest(store: Store, snapshot_id: str) -> dict[str, Any]:
+def load_manifest(store: Store, snapshot_id: str, verifier=None) -> dict[str, Any]:
+    """A snapshot's manifest; with ``verifier`` (a signed run) only if the run's key signed it."""
     key = layout.snapshot_manifest_key(snapshot_id)
     try:
         manifest = json.loads(store.get(key))
@@ -177,6 +181,11 @@ def load_manifest(store: Store, snapshot_id: str) -> dict[str, Any]:
         raise SnapshotError(f"no snapshot {snapshot_id!r} at {store.url} ({key} not found)") from None
     except ValueError as exc:
         raise SnapshotError(f"{key} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise SnapshotError(f"{key} is not a JSON object")
+    if verifier is not None and not verify_record(manifest, verifier, "syncer"):
+        raise SnapshotError(f"{key} is not signed with this run's key: forged, altered, or written without "
+                            "security.run_secret; refusing to use it")
     if manifest.get("format") != MANIFEST_FORMAT:
         raise SnapshotError(f"{key} has format {manifest.get('format')!r}; this build reads {MANIFEST_FORMAT}")
     return manifest
@@ -322,23 +331,28 @@ def _newest_verified(store: Store, p: int, versions: list[int], verifier) -> tup
 # --- export --------------------------------------------------------------------------------------
 
 
+def export_params(store: Store, spec: protocol.RunSpec, manifest: dict[str, Any] | None, verifier=None,
+                  require_signatures: bool = False) -> tuple[dict[str, torch.Tensor], dict[int, int], protocol.Skipped]:
+    """What every export writes: with ``verifier`` only syncer-signed globals, the newest that
+    verifies per fragment (forged newer ones skipped and counted) or the snapshot's, which must."""
+    if manifest is None:
+        found = protocol.global_model(store, spec, verifier, require_signatures)
+        return found.params, found.versions, found.skipped
+    _check_run(manifest, spec)
+    versions = snapshot_versions(manifest)
+    params: dict[str, torch.Tensor] = {}
+    for p, v in sorted(versions.items()):
+        params.update(protocol.read_global(store, spec, p, v, verify=verifier, require_signature=require_signatures)[1])
+    return params, versions, protocol.Skipped()
+
+
 def export_model(store: Store, out: str, manifest: dict[str, Any] | None = None, verifier=None,
                  require_signatures: bool = False) -> dict[str, Any]:
     """Write the global model to ``out`` (atomically); returns what was written. With ``verifier``
     only syncer-signed globals: the newest that verifies per fragment (forged newer ones are skipped
     and counted in ``skipped_unverified``), or the snapshot's, which must verify."""
     spec = protocol.load_spec(store)
-    skipped = protocol.Skipped()
-    if manifest is None:
-        found = protocol.global_model(store, spec, verifier, require_signatures)
-        params, versions, skipped = found.params, found.versions, found.skipped
-    else:
-        _check_run(manifest, spec)
-        versions = snapshot_versions(manifest)
-        params = {}
-        for p, v in sorted(versions.items()):
-            params.update(protocol.read_global(store, spec, p, v, verify=verifier,
-                                               require_signature=require_signatures)[1])
+    params, versions, skipped = export_params(store, spec, manifest, verifier, require_signatures)
     tensors = {n: t.detach().to(torch.float32).contiguous() for n, t in sorted(params.items())}
     metadata = {
         "format": "ddiloco-geo-export-1",

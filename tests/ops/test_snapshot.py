@@ -14,13 +14,16 @@ from conftest import wait_until
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from ddiloco_geo import codec
 from ddiloco_geo.core import config
+from ddiloco_geo.core.clocks import VectorClock
 
 from ddiloco_geo.core import layout
 
 from ddiloco_geo.core import model as modelmod
 
 from ddiloco_geo import protocol
+from ddiloco_geo.ops.export_hf import export_hf
 from ddiloco_geo.ops.replay import read_state, replay
 from ddiloco_geo.ops.snapshot import (SnapshotError, active_syncers, export_model, load_manifest, restore_to, rollback,
                                   take_snapshot)
@@ -351,3 +354,33 @@ def test_cli_snapshot_restore_rollback_export_replay(tmp_path):
     result = cli_json("replay", "--store", new_url)
     assert result["ok"] and result["roots"] == {str(p): 2 for p in range(4)}
     run.store.close()
+
+
+SECRET = "snapshot-signed-run-secret-0123456789abcdef"
+
+
+def test_signed_manifests_and_verified_exports_refuse_forgeries(history, tmp_path):
+    """Anywhere write in a signed run: a manifest rewritten to point at other versions is refused
+    (the run's key signs manifests); a forged global at the next version of a fragment is not what
+    either export format writes (both read through the verified path and count what they skip)."""
+    from ddiloco_geo.core.signing import run_verifier, signer_for
+
+    run, syncer = history(rounds=2, **{"security.run_secret": SECRET})
+    verifier = run_verifier(SECRET)
+    m = take_snapshot(run.store, run.spec, "signed", signer=signer_for(SECRET, "syncer"))
+    assert load_manifest(run.store, "signed", verifier)["fragments"] == m["fragments"]
+    key = layout.snapshot_manifest_key("signed")
+    forged = {**m, "fragments": {p: {**f, "version": 0} for p, f in m["fragments"].items()}}
+    run.store.cas(key, json.dumps(forged).encode(), run.store.read_token(key)[1])
+    with pytest.raises(SnapshotError, match="not signed"):
+        load_manifest(run.store, "signed", verifier)
+
+    v = syncer.fragments[1].version + 1
+    params = {n: torch.full(s, 7.0) for n, s in run.spec.plan.expect(1).items()}
+    header = codec.Header(kind="global", run_id=run.spec.run_id, fragment=1, version=v, clock=VectorClock())
+    run.store.put_if_absent(layout.global_key(1, v), codec.encode(params, header, codec="fp32"))  # unsigned
+    plain = export_model(run.store, str(tmp_path / "m.safetensors"), verifier=verifier, require_signatures=True)
+    hf_out = export_hf(run.store, str(tmp_path / "hf"), verifier=verifier, require_signatures=True)
+    for result in (plain, hf_out):
+        assert {str(p): int(x) for p, x in result["versions"].items()}["1"] == v - 1
+        assert result["skipped_unverified"]["by_kind"].get("global") == 1
