@@ -132,6 +132,9 @@ class LearnerConfig(Section):
     heartbeat_s: float = Field(2.0, gt=0)
     slow_step_s: float = Field(0.0, ge=0, description="extra sleep per step (tests and chaos: a straggler)")
     device: str = Field("cpu", description="torch device; 'cuda' under torchrun uses LOCAL_RANK")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="'bf16': forward and loss under bf16 autocast "
+                                              "(parameters, AdamW state and deltas stay fp32); for GPUs with bf16")
+    compile: bool = Field(False, description="torch.compile the training step's module (a one-off compile at the first step)")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="under torchrun, how the learner's ranks share the "
                                              "model: 'ddp' replicates it, 'fsdp' shards parameters, gradients and AdamW "
                                              "state (FSDP2 fully_shard per block) for models larger than one device")

@@ -149,7 +149,8 @@ class Learner:
         self.c_ref_tokens = list(self.c_tokens)
         self.frag_steps_trained = 0    # fragment-steps: one per fragment per inner step
         self.frag_steps_discarded = 0  # trained, then overwritten on adoption before any send carried them
-        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 and not self.sharded else None
+        self.net = ranks.training_module(self.model, replicate=self.world > 1 and not self.sharded,
+                                         compile=self.cfg.compile)
         if self.rank == 0:
             self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
                                      codec_name=self.spec.codec, block_size=self.spec.quant_block,
@@ -273,8 +274,8 @@ class Learner:
         x, y = x.to(self.device), y.to(self.device)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
-        net = self.ddp or self.model
-        _, loss = net(x, y)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+            _, loss = self.net(x, y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -327,8 +328,8 @@ class Learner:
         self._last_hb = 0.0
         self.train_s: float | None = None  # set when the learner stops stepping
         if self.rank == 0:
-            self.presence = Presence(self.store, self.learner_id, status=self._status, signer=self.signer,
-                                     heartbeat_s=self.cfg.heartbeat_s, threaded=not self.inline_io)
+            self.presence = Presence(self.store, self.learner_id, status=lambda state: status_record(self, state),
+                                     signer=self.signer, heartbeat_s=self.cfg.heartbeat_s, threaded=not self.inline_io)
 
     def step_once(self, step_s: float | None = None) -> bool:
         """One inner step with its adoptions and sends; False once the learner should stop.
@@ -411,7 +412,7 @@ class Learner:
             checkpoint = self._exit_checkpoint(cursors, t0)
         finally:
             self.presence.stop()
-        summary = self._status("exited")
+        summary = status_record(self, "exited")
         summary.update({"reason": self.stop_reason, "flushed": flushed, "flush_s": time.monotonic() - t0,
                         "checkpoint": checkpoint, "resumed_from": self.resumed_from, "history": self.history})
         self.presence.exited(summary)
@@ -438,9 +439,6 @@ class Learner:
                         "a longer flush deadline or learner.checkpoint_on_exit=false", self.learner_id,
                         time.monotonic() - t0, self.cfg.flush_deadline_s)
         return checkpoint
-
-    def _status(self, state: str = "running") -> dict:
-        return status_record(self, state)
 
 
 def default_learner_id() -> str:

@@ -56,6 +56,14 @@ def shard_model(model: torch.nn.Module, parallel: str, world: int) -> bool:
     return True
 
 
+def training_module(model: torch.nn.Module, *, replicate: bool, compile: bool) -> torch.nn.Module:
+    """What a step calls: the model, wrapped in DDP when its ranks replicate it, and compiled with
+    ``torch.compile`` when asked (the parameters stay the model's own: sends and adoptions read and
+    write them directly)."""
+    net = torch.nn.parallel.DistributedDataParallel(model) if replicate else model
+    return torch.compile(net) if compile else net
+
+
 def load_params(model: torch.nn.Module, tensors: dict[str, torch.Tensor] | None, world: int) -> None:
     """Rank 0's whole parameters (``tensors``, None on the other ranks) into every rank's model,
     replicated or sharded, one parameter at a time."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 
 import pytest
@@ -210,3 +211,22 @@ def test_a_learner_whose_run_settings_differ_from_the_run_is_refused_with_the_fi
         learner.join()
     assert "run.codec='int4' but the run uses 'fp32'" in str(info.value)
     assert "start it with the run's settings" in str(info.value)
+
+
+def check_trains_in_fp32(tiny_run, **options) -> Learner:
+    """A learner with ``options`` steps 8 times: the loss falls, the parameters stay fp32."""
+    run, _ = _signed_run(tiny_run)
+    learner = _learner(run, lr=1e-2, warmup_steps=0, **options)
+    losses = []
+    for _ in range(8):
+        assert learner.step_once() is True
+        losses.append(learner.loss_ema)
+    assert all(p.dtype == torch.float32 for p in learner.model.parameters())
+    assert math.isfinite(losses[-1]) and losses[-1] < losses[0]
+    return learner
+
+
+def test_bf16_autocast_trains_and_keeps_fp32_parameters(tiny_run):
+    """learner.precision=bf16: the forward runs under bf16 autocast (on CPU here, on CUDA on GPUs);
+    parameters, AdamW state and so the deltas stay fp32."""
+    check_trains_in_fp32(tiny_run, precision="bf16")
