@@ -5,7 +5,8 @@ learner holds, into an inbox the learner drains at the top of its next step. In 
 index counts only if the syncer signed it (a forged one reads as empty). A global is accepted only
 if it decodes, matches the plan and (in a signed run) carries the syncer's signature; anything else
 is counted (``globals_rejected``), logged, and skipped without moving what the learner holds: it
-keeps training on what it has and takes the next version the index names. Shutdown: :meth:`GlobalPoller.stop` sets the stop event and joins the thread.
+keeps training on what it has and takes the next version the index names. Shutdown:
+:meth:`GlobalPoller.stop` sets the stop event and joins the thread.
 """
 
 from __future__ import annotations
