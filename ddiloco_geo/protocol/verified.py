@@ -217,6 +217,8 @@ def clean_learner_record(rec: dict[str, Any]) -> dict[str, Any]:
         "uploads": {"deltas_sent": _count(uploads.get("deltas_sent"))},
         "storage": _storage(rec.get("storage")),
         "versions": _versions(rec.get("versions")),
+        "fragment_steps": {k: _count((rec.get("fragment_steps") if isinstance(rec.get("fragment_steps"), dict)
+                                      else {}).get(k)) for k in ("trained", "discarded")},
         "history": [h for h in history[:100_000] if isinstance(h, dict)],
         "signer": _text(rec.get("signer")),
         "checkpoint": _text(rec.get("checkpoint")), "resumed_from": _text(rec.get("resumed_from")),

@@ -41,6 +41,7 @@ def check_summary(summary: dict, learners: int) -> None:
     assert all(l["tokens"] > 0 for l in summary["learners"].values())
     assert summary["bytes_up"] > 0 and summary["bytes_down"] > 0
     assert summary["dp_allreduce_bytes"] > 0
+    assert summary["discarded_fragment_steps_ratio"] == 0  # keep_progress (the default) discards nothing
 
 
 def test_three_learners_and_a_syncer_on_the_moto_server(make_storage_config, tmp_path):
