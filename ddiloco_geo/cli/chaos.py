@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-only", action="store_true", help="print the schedule for --seed and exit")
 
 
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     shape = dict(LONG if args.long else SHORT)
     for key in ("learners", "steps", "rounds", "timeout"):
@@ -53,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     for k, v in emulator_credentials(settings.storage.endpoint_url).items():
         os.environ.setdefault(k, v)
     base_url = args.store or (settings.storage.url if settings.storage.url.startswith("s3://") else None)
+    # SIGTERM (a CI timeout, an operator) unwinds like Ctrl-C: the supervisor's and the testbed's
+    # finally blocks stop every learner, syncer and server this run started, by PID
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     chaos = ChaosRun(settings, plan, out=Path(args.out).resolve(), sample_s=args.sample_s,
                      timeout_s=shape["timeout"], baseline=not args.no_baseline, base_url=base_url)
     report = chaos.run()
