@@ -230,3 +230,19 @@ def test_bf16_autocast_trains_and_keeps_fp32_parameters(tiny_run):
     """learner.precision=bf16: the forward runs under bf16 autocast (on CPU here, on CUDA on GPUs);
     parameters, AdamW state and so the deltas stay fp32."""
     check_trains_in_fp32(tiny_run, precision="bf16")
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"versions": {"0": "7"}}', b'{"versions": {"0": -1}}',
+                                  b'{"versions": {"x": 1}}', b'{"versions": {"0": 99999999999}}', b'{"no": 1}'])
+def test_a_malformed_index_reads_as_empty_and_is_replaced(tiny_run, body, caplog):
+    """Even in an unsigned run a malformed globals/HEAD is never believed (wrong types, negative or
+    out-of-layout versions, not JSON): it reads as empty with a log line, and the next advance
+    replaces it instead of failing."""
+    run = tiny_run()
+    _, token = protocol.read_index(run.store)
+    run.store.cas(layout.globals_index_key(), body, token)
+    with caplog.at_level(logging.WARNING):
+        versions, token = protocol.read_index(run.store)
+    assert versions == {} and token is not None and "index_unverified" in caplog.text
+    assert protocol.advance_index(run.store, {0: 3}) == {0: 3}
+    assert protocol.read_index(run.store)[0] == {0: 3}
