@@ -255,7 +255,8 @@ class Replayer:
             base = self._params_at(p, v, d_header.base_version, cache)
             if isinstance(e.get("clip"), float):  # the merge guard scaled this contributor down
                 pg = {n: t * e["clip"] for n, t in pg.items()}
-            anchored.append(pg if rec.get("anchoring") == "base" else anchor(params, base, pg))
+            how = e.get("anchor", rec.get("anchoring"))  # an entry names its own when it differs from the run's
+            anchored.append(pg if how == "base" else anchor(params, base, pg))
             weights.append(w)
         okw = {**self.outer_kwargs, **(rec.get("outer") or {})}
         outer = OuterOptimizer(**okw)

@@ -90,6 +90,25 @@ def clip_factor(state: FragmentState, d: PendingDelta, clip_ratio: float | None)
     return clip_ratio * reference / d.step_norm
 
 
+def anchoring_of(state: FragmentState, d: PendingDelta, anchoring: str) -> str:
+    """How one contributor is anchored. ``base`` applies the learner's progress Θ_base − θ_learner as
+    it is, except for a delta whose base is at or below the base of this learner's newest merged
+    delta on the fragment: the learner sent again before adopting the version that holds its earlier
+    delta, so its progress still carries the merged part, and it is anchored at the current global
+    (a pull, which never applies anything twice)."""
+    if anchoring == "base" and d.header.base_version <= state.merged_base.get(d.learner, -1):
+        return "current"
+    return anchoring
+
+
+def merged_bases(previous: dict[str, int], entries: list[dict[str, Any]]) -> dict[str, int]:
+    """Each learner's newest merged base version after a merge of ``entries``."""
+    out = dict(previous)
+    for e in entries:
+        out[e["learner"]] = max(e["base_version"], out.get(e["learner"], -1))
+    return out
+
+
 def select_contributors(pending: list[PendingDelta]) -> tuple[list[PendingDelta], list[PendingDelta]]:
     """(contributors, superseded): the newest delta per (learner, base version)."""
     newest: dict[tuple[str, int], PendingDelta] = {}
@@ -125,12 +144,14 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     for d in contributors:
         factor = clip_factor(state, d, clip_ratio)
         pg = d.pseudo_grad if factor == 1.0 else {n: t * factor for n, t in d.pseudo_grad.items()}
-        anchored.append(pg if anchoring == "base" else anchor(state.params, bases[d.header.base_version], pg))
+        how = anchoring_of(state, d, anchoring)
+        anchored.append(pg if how == "base" else anchor(state.params, bases[d.header.base_version], pg))
         w = merge.token_weight(d.header.num_tokens, d.header.num_steps)
         weights.append(w)
         entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
                         "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w,
-                        "step": learner_step(d.header), **({"clip": factor} if factor < 1.0 else {})})
+                        "step": learner_step(d.header), **({"clip": factor} if factor < 1.0 else {}),
+                        **({"anchor": how} if how != anchoring else {})})
     if not anchored or sum(weights) <= 0:
         return None
     params, outer = merge_and_step(state.params, state.outer, anchored, weights, is_embedding,

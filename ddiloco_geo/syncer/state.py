@@ -47,6 +47,7 @@ class FragmentState:
     outer: OuterOptimizer
     clock: VectorClock = field(default_factory=VectorClock)
     consumed: dict[str, int] = field(default_factory=dict)  # learner -> highest seq accounted for
+    merged_base: dict[str, int] = field(default_factory=dict)  # learner -> base version of its newest merged delta
     pending: list[PendingDelta] = field(default_factory=list)
     history: OrderedDict = field(default_factory=OrderedDict)  # version -> params
     norms: dict = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=8)))  # learner -> per-step norms
@@ -92,6 +93,7 @@ def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: 
                                           require_signature=require_signatures)
     outer = OuterOptimizer(**outer_kwargs)
     consumed: dict[str, int] = {}
+    merged_base: dict[str, int] = {}
     residual: dict[str, torch.Tensor] = {}
     state_key = header.extra.get("state_key")
     if state_key:
@@ -102,6 +104,8 @@ def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: 
         outer.load_state_dict(outer_state_from_wire(
             {k: v for k, v in st_tensors.items() if not k.startswith(RESIDUAL)}, st_header))
         consumed = {str(k): int(v) for k, v in st_header.extra.get("consumed", {}).items()}
-    state = FragmentState(fragment, version, params, outer, clock=header.clock, consumed=consumed, residual=residual)
+        merged_base = {str(k): int(v) for k, v in st_header.extra.get("merged_base", {}).items()}
+    state = FragmentState(fragment, version, params, outer, clock=header.clock, consumed=consumed,
+                          merged_base=merged_base, residual=residual)
     state.remember(version, params)
     return state, state_key

@@ -122,6 +122,42 @@ def test_stale_delta_is_anchored_at_the_current_global(tiny_run):
         torch.testing.assert_close(got[n], theta_b, rtol=1e-6, atol=1e-6)
 
 
+def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_base(tiny_run):
+    # anchoring=base: a stale delta is the learner's own progress, applied on the current global;
+    # but a learner that sends again on a base it already had merged (it has not adopted the version
+    # holding its first delta yet) carries that first delta inside the second one, so the syncer
+    # anchors it at the current global instead. The rule survives a syncer restart.
+    run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
+                      "syncer.update_codec": "fp32", "syncer.anchoring": "base"})
+    syncer = run.syncer()
+    p = 0
+    base0 = run.fragment_params(p, 0)
+    run.write_delta("a", p, pg_const(run, p, 0.5))  # a: base 0, merged into v1
+    poll(syncer)
+    syncer.merge_ready()
+    v1 = run.fragment_params(p, 1)
+    run.write_delta("b", p, pg_const(run, p, -0.25), base_version=0)  # b: stale, its own progress
+    poll(syncer)
+    syncer.merge_ready()
+    v2 = run.fragment_params(p, 2)
+    for n in v2:
+        torch.testing.assert_close(v2[n], v1[n] + 0.25, rtol=1e-6, atol=1e-6)  # v1 - (-0.25), nothing pulled back
+    rec = protocol.read_header(run.store, layout.global_key(p, 2)).extra
+    assert rec["anchoring"] == "base" and "anchor" not in rec["merged"][0]
+
+    syncer = run.syncer()  # restart: which bases each learner had merged comes back from the state object
+    assert syncer.fragments[p].merged_base == {"a": 0, "b": 0}
+    resend = pg_const(run, p, 0.75)  # a again on base 0: 0.5 of it was merged into v1 already
+    run.write_delta("a", p, resend, base_version=0)
+    poll(syncer)
+    syncer.merge_ready()
+    v3 = run.fragment_params(p, 3)
+    for n in v3:  # pulled to a's model (base0 - 0.75), not v2 - 0.75
+        torch.testing.assert_close(v3[n], base0[n] - resend[n], rtol=1e-6, atol=1e-6)
+    rec = protocol.read_header(run.store, layout.global_key(p, 3)).extra
+    assert rec["merged"][0]["anchor"] == "current"
+
+
 @pytest.mark.parametrize("case, reason", [
     ("garbage", "bad_header"),
     ("truncated", "truncated"),
