@@ -13,6 +13,7 @@ import pytest
 from ddiloco_geo.tools.chaos import (
     compute_downtime, compute_goodput, find_stalls, first_merge_after, goals, measure, plan_schedule, subtract, union,
 )
+from ddiloco_geo.tools.chaos.goals import unaccounted_deliveries
 from tests.conftest import cli_args_for, deadline
 
 # --- the schedule --------------------------------------------------------------------------------
@@ -127,6 +128,23 @@ def test_stall_detection():
     # work waiting when the syncer stops (end of its uptime) with no publish: a stall up to the stop
     stalls = find_stalls([5], [10], [(0, 30)], period)
     assert [(s["start"], s["end"]) for s in stalls] == [(10, 30)]
+
+
+
+def test_a_delivery_seen_after_its_merge_is_not_waiting_work():
+    # a heartbeat shows an upload up to an interval late: the delta can be merged before it is seen
+    keys = ["d0", "d1", "d2"]
+    merged_at = {"d0": 5.0, "d1": 9.0}
+    seen = [(4.0, 1), (10.0, 2), (12.0, 3)]
+    # at 4: one sent, none accounted (waiting); at 10: two sent, both merged by 9 (not waiting);
+    # at 12: three sent, d2 neither merged nor rejected (waiting)
+    assert unaccounted_deliveries(seen, keys, merged_at) == [4.0, 12.0]
+    # d2 rejected at 11: nothing left to publish when it is seen at 12
+    assert unaccounted_deliveries(seen, keys, {**merged_at, "d2": 11.0}) == [4.0]
+    # end to end: the last deltas merged before their heartbeat was seen leave no stall at the stop
+    deliveries = unaccounted_deliveries([(95.0, 2)], ["a", "b"], {"a": 93.0, "b": 94.0})
+    assert find_stalls([93.0, 94.0], deliveries, [(0.0, 110.0)], 2.0) == []
+    assert find_stalls([93.0, 94.0], [95.0], [(0.0, 110.0)], 2.0) != []  # what the report counted before
 
 
 # --- goodput -------------------------------------------------------------------------------------

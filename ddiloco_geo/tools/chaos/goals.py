@@ -7,8 +7,10 @@ Definitions (also in ``docs/chaos.md``):
                  advanced) -- :func:`compute_downtime`;
 ``stalls``       stretches longer than ``STALL_PERIODS`` fragment periods (H x median step time)
                  and than ``STALL_GAPS`` of the syncer's own median gaps between publishes, with no
-                 version published while a syncer was serving and a delivered delta was waiting --
-                 :func:`find_stalls`, :func:`stall_period`;
+                 version published while a syncer was serving and a delivered delta was waiting
+                 (a learner's heartbeat shows more deltas sent than merge and rejection records
+                 account for at that time) -- :func:`find_stalls`, :func:`stall_period`,
+                 :func:`unaccounted_deliveries`;
 ``goodput``      share of learner steps whose work reached a merged delta: per learner incarnation
                  and fragment, the steps up to the highest step covered by a merged delta, over
                  P x steps taken -- :func:`compute_goodput`;
@@ -145,6 +147,24 @@ def find_stalls(publish_times: list[float], delivery_times: list[float], syncer_
             if waiting is not None and y - waiting > limit:
                 stalls.append({"start": waiting, "end": y, "length_s": y - waiting, "limit_s": limit})
     return stalls
+
+
+def unaccounted_deliveries(sent_seen: list[tuple[float, int]], keys: list[str],
+                           accounted_at: dict[str, float]) -> list[float]:
+    """Times at which one learner incarnation is seen to have delivered work still waiting.
+
+    ``sent_seen``: (time, deltas sent so far) at each observation where its count grew; ``keys``:
+    the incarnation's delta keys; ``accounted_at``: key -> when a syncer accounted for it (the
+    publish time of the merge record that merged or superseded it, or its rejection). A heartbeat is seen up to a
+    heartbeat interval after the upload, so a delta can be merged before it is "seen": such an
+    observation is not waiting work (at the end of a run it was once counted as a stall until the
+    syncer stopped)."""
+    out = []
+    for t, sent in sent_seen:
+        done = sum(1 for k in keys if accounted_at.get(k, math.inf) <= t)
+        if done < sent:
+            out.append(t)
+    return out
 
 
 def compute_goodput(incarnations: dict[str, list[dict[str, Any]]], merged: list[dict[str, Any]],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import CodecError, NotFoundError, StorageError
 from ddiloco_geo.storage import Store
 from ddiloco_geo.tools.chaos.goals import (
-    compute_downtime, compute_goodput, find_stalls, first_merge_after, stall_period,
+    compute_downtime, compute_goodput, find_stalls, first_merge_after, stall_period, unaccounted_deliveries,
 )
 from ddiloco_geo.tools.chaos.supervisor import Proc, Supervisor
 from ddiloco_geo.tools.chaos.testbed import Testbed
@@ -53,20 +54,52 @@ def delta_headers(store: Store) -> dict[str, dict[str, Any]]:
         return {k: v for k, v in pool.map(one, all_keys) if v is not None}
 
 
-def rejected_then_superseded(store: Store, records: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Deltas one syncer rejected (e.g. ``future_base`` while it lagged) whose work reached the
-    model anyway, through a newer cumulative delta another syncer merged. ``protocol.ledger``
-    counts them once, as merged; this list is for the report only."""
-    merged = {e["key"] for r in records for e in r.get("merged", [])}
-    accounted = {k for r in records for k in r.get("superseded", [])} - merged
-    out = []
+def rejections(store: Store) -> dict[str, dict[str, Any]]:
+    """Delta key -> the rejection record a syncer wrote for it."""
+    out = {}
     for key in store.list(layout.SYNCER + "rejected/"):
         try:
             rec = json.loads(store.get(key))
         except (NotFoundError, ValueError):
             continue
-        if rec.get("key") in accounted:
-            out.append({"key": rec["key"], "reason": rec.get("reason")})
+        if isinstance(rec, dict) and isinstance(rec.get("key"), str):
+            out[rec["key"]] = rec
+    return out
+
+
+def rejected_then_superseded(rejected: dict[str, dict[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Deltas one syncer rejected (e.g. ``future_base`` while it lagged) whose work reached the
+    model anyway, through a newer cumulative delta another syncer merged. ``protocol.ledger``
+    counts them once, as merged; this list is for the report only."""
+    merged = {e["key"] for r in records for e in r.get("merged", [])}
+    accounted = {k for r in records for k in r.get("superseded", [])} - merged
+    return [{"key": k, "reason": rec.get("reason")} for k, rec in rejected.items() if k in accounted]
+
+
+def accounted_at(records: list[dict[str, Any]], rejected: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Delta key -> when a syncer accounted for it: the publish time of the first merge record that
+    merged or superseded it, or its rejection record's time."""
+    out: dict[str, float] = {k: float(rec["at"]) for k, rec in rejected.items()
+                             if isinstance(rec.get("at"), (int, float))}
+    for r in records:
+        t = r.get("published_at")
+        if r.get("kind") != "merge" or not t:
+            continue
+        for k in [e["key"] for e in r.get("merged", [])] + list(r.get("superseded", [])):
+            out[k] = min(out.get(k, math.inf), float(t))
+    return out
+
+
+def incarnation_keys(learners: list[Proc], headers: dict[str, dict[str, Any]]) -> dict[int, list[str]]:
+    """Learner process pid -> the delta keys it wrote (its learner's seqs from its first_seq up to
+    the next incarnation's)."""
+    out = {}
+    for lid in sorted({p.target for p in learners}):
+        mine = [p for p in learners if p.target == lid]
+        for k, p in enumerate(mine):
+            nxt = mine[k + 1].first_seq if k + 1 < len(mine) else None
+            out[p.pid] = [key for key, h in headers.items() if h["learner"] == lid and h["seq"] >= p.first_seq
+                          and (nxt is None or h["seq"] < nxt)]
     return out
 
 
@@ -86,13 +119,12 @@ def incarnation_table(store: Store, learners: list[Proc], headers: dict[str, dic
         if rec and rec.get("pid") == p.pid:
             exit_steps[p.pid] = int(rec["step"])
     incs: dict[str, list[dict[str, Any]]] = {}
+    keys = incarnation_keys(learners, headers)
     for lid in sorted({p.target for p in learners}):
         mine = [p for p in learners if p.target == lid]
         rows = []
         for k, p in enumerate(mine):
-            nxt = mine[k + 1].first_seq if k + 1 < len(mine) else None
-            own = [h for h in headers.values() if h["learner"] == lid and h["seq"] >= p.first_seq
-                   and (nxt is None or h["seq"] < nxt)]
+            own = [headers[key] for key in keys[p.pid]]
             seen = max([o[1] for o in p.obs] + [int(p.last_hb.get("step", 0) or 0)] +
                        [h["step"] for h in own] + [p.s0])
             s1 = exit_steps.get(p.pid, seen)
@@ -122,18 +154,20 @@ def heartbeat_series(learners: list[Proc], max_steps: int) -> list[dict[str, Any
     return series
 
 
-def stalls_of(sup: Supervisor, learners: list[Proc], pubs: list[float], period_s: float) -> list[dict[str, float]]:
+def stalls_of(sup: Supervisor, learners: list[Proc], pubs: list[float], period_s: float,
+              keys: dict[int, list[str]], accounted: dict[str, float]) -> list[dict[str, float]]:
     """Stalls from publish times, delta deliveries (a heartbeat whose ``deltas_sent`` grew, or the
-    exit record's count) and syncer uptime (ready -> signalled or exited)."""
+    exit record's count, while merge and rejection records do not yet account for that many of
+    the process's deltas: :func:`~.goals.unaccounted_deliveries`) and syncer uptime (ready ->
+    signalled or exited)."""
     deliveries = []
     for p in learners:
-        for (t0, _, n0, _), (t1, _, n1, _) in zip(p.obs, p.obs[1:]):
-            if n1 > n0:
-                deliveries.append(t1)
+        seen = [(t1, n1) for (t0, _, n0, _), (t1, _, n1, _) in zip(p.obs, p.obs[1:]) if n1 > n0]
         if p.last_hb.get("state") == "exited" and p.obs:
             sent = int(p.last_hb.get("uploads", {}).get("deltas_sent", 0))
             if sent > p.obs[-1][2]:
-                deliveries.append(float(p.last_hb.get("time", p.obs[-1][0])))
+                seen.append((float(p.last_hb.get("time", p.obs[-1][0])), sent))
+        deliveries += unaccounted_deliveries(seen, keys.get(p.pid, []), accounted)
     syncer_up = []
     for p in sup.procs:
         if p.role == "syncer" and p.ready_at is not None:
@@ -200,7 +234,8 @@ def build_report(sup: Supervisor, store: Store, testbed: Testbed, evaluator: Eva
     log.info("chaos_report reading the ledger, merge records and delta headers from %s", testbed.url)
     led = protocol.ledger(store)
     records = protocol.merge_records(store)
-    double = rejected_then_superseded(store, records)
+    rejected = rejections(store)
+    double = rejected_then_superseded(rejected, records)
     spec = protocol.load_spec(store)
     headers = delta_headers(store)
     log.info("chaos_report read %d merge records and %d delta headers in %.1fs", len(records), len(headers),
@@ -225,7 +260,7 @@ def build_report(sup: Supervisor, store: Store, testbed: Testbed, evaluator: Eva
 
     pubs = [float(r["published_at"]) for r in records if r.get("kind") == "merge" and r.get("published_at")]
     period = stall_period(spec.sync_every, step_s, pubs)
-    stalls = stalls_of(sup, learners, pubs, period)
+    stalls = stalls_of(sup, learners, pubs, period, incarnation_keys(learners, headers), accounted_at(records, rejected))
     recovery_s, restart_detail, restarted_merged = recovery(sup, learners, records, pubs)
 
     faults_configured = [{"process": p.name, "pid": p.pid, "rate": p.settings["storage.fault_rate"],
