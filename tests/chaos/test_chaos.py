@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from ddiloco_geo.tools.chaos import (
     compute_downtime, compute_goodput, find_stalls, first_merge_after, goals, measure, plan_schedule, subtract, union,
 )
 from ddiloco_geo.tools.chaos.goals import unaccounted_deliveries
-from tests.conftest import cli_args_for, deadline
+from tests.conftest import cli_args_for, deadline, wait_until
 
 # --- the schedule --------------------------------------------------------------------------------
 
@@ -284,3 +285,70 @@ def test_short_chaos_run_on_the_moto_server(make_storage_config, tmp_path):
     assert 0 < report["goodput"] <= 1
     assert report["final_eval_loss"] < report["initial_eval_loss"] - 0.5
     assert (out / "chaos.json").exists() and (out / "plan.json").exists()
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every live descendant of ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = {}, [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if _alive(c):
+                out[c] = _cmdline(c)
+                todo.append(c)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_process_the_run_started(tmp_path):
+    # a CI timeout or an operator stops `chaos` with SIGTERM: the S3 server, syncers and learners it
+    # started must go with it (they used to run on)
+    log = (tmp_path / "chaos.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddiloco_geo", "chaos", "--seed", "4", "--steps", "2000", "--no-baseline",
+         "--out", str(tmp_path / "out")], cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL, stderr=log)
+    started: dict[int, str] = {}
+    try:
+        def learners_running():
+            now = _descendants(proc.pid)
+            started.update(now)
+            return sum(" learner" in c for c in now.values()) >= 2 and any(" syncer" in c for c in now.values())
+        wait_until(learners_running, 180, interval_s=0.5,
+                   what=lambda: f"chaos never ran its learners: {(tmp_path / 'chaos.log').read_text()[-3000:]}")
+        assert any("moto" in c for c in started.values()), started  # the run's own S3 server
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=deadline(120)) == 128 + signal.SIGTERM
+        wait_until(lambda: not [p for p in started if _alive(p)], 30,
+                   what=lambda: f"still running after SIGTERM: {[started[p] for p in started if _alive(p)]}")
+    finally:
+        for p in [proc.pid, *started]:  # whatever is left, stopped by its PID
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        proc.wait(timeout=30)
+        log.close()
