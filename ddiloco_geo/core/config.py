@@ -126,6 +126,10 @@ class LearnerConfig(Section):
         "keep_progress", description="on a new global G of fragment p: 'overwrite' sets local_p = G (work since the last "
         "delta was sent is lost); 'keep_progress' sets local_p = G + (local_p - ref_p), ref_p = local_p at the last "
         "send (or the base at the last adoption if none since), keeping the unsent work")
+    error_feedback: Literal["auto", "on", "off"] = Field(
+        "auto", description="'on': send the progress since the previous send (an increment) plus what the codec "
+        "dropped from earlier ones (a residual per fragment, kept in the exit checkpoint); the syncer applies "
+        "increments as they are. 'auto': on for run.codec=topk (which needs it), off otherwise")
     checkpoint_on_exit: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
     upload_queue: int = Field(8, ge=1, description="deltas waiting for upload before the oldest is dropped and counted")
     poll_s: float = Field(0.5, gt=0, description="interval between polls for new global versions")

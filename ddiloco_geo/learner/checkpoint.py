@@ -2,7 +2,8 @@
 
 Written by rank 0 on exit (create-only, ``learners/<id>/checkpoints/cNNNNNNNNNN.st``, fp32,
 signed with the learner's key in a signed run): local parameters (``param.*``), AdamW moments
-(``adam.exp_avg.*``, ``adam.exp_avg_sq.*``), and in the header the step and token counts, the
+(``adam.exp_avg.*``, ``adam.exp_avg_sq.*``), error-feedback residuals (``residual.<p>.*``, with
+``learner.error_feedback``), and in the header the step and token counts, the
 vector clock, and ``extra``: base versions, per-fragment counters, last-sent steps, every rank's
 data cursor, AdamW step counts, world size, plan digest and stop reason.
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 CKPT_PARAM = "param."
 CKPT_EXP_AVG = "adam.exp_avg."
 CKPT_EXP_AVG_SQ = "adam.exp_avg_sq."
+CKPT_RESIDUAL = "residual."  # error feedback: what the codec has not sent yet, per fragment
 
 
 def checkpoint_tensors(params: dict[str, torch.Tensor], model: torch.nn.Module,
@@ -72,6 +74,20 @@ def latest_checkpoint(store: Store, learner_id: str, run_id: str, *, verifier: A
         except (CodecError, NotFoundError) as exc:
             log.warning("checkpoint_unusable key=%s reason=%s", key, exc)
     return None
+
+
+def residual_tensors(residual: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The uploader's error-feedback residuals as checkpoint tensors (``residual.<p>.<name>``)."""
+    return {f"{CKPT_RESIDUAL}{p}.{n}": t for p, r in residual.items() for n, t in r.items()}
+
+
+def residuals_of(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if key.startswith(CKPT_RESIDUAL):
+            p, name = key[len(CKPT_RESIDUAL):].split(".", 1)
+            out.setdefault(int(p), {})[name] = t
+    return out
 
 
 def params_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

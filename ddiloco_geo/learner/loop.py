@@ -2,16 +2,13 @@
 
 Decoupled DiLoCo (arXiv 2604.21428, "learner loop"). Each inner step:
 
-1. adopt any global fragment versions the background poller (:mod:`~ddiloco_geo.learner.poller`)
-   has already downloaded (overwrite by default, ``alpha`` mixing optional), reset that fragment's
-   counters, keep the AdamW state;
-2. take one AdamW step on the learner's own data shard (under ``torchrun`` with N processes, an
-   ordinary DDP step, :mod:`~ddiloco_geo.learner.ranks`);
-3. count steps and tokens for every fragment since it was last adopted;
-4. for each fragment due at this step (``fragments.Schedule``: p is due when
-   (t − offset_p) mod H == 0), compute the pseudo-gradient ``base − local`` on the CPU and hand it
-   to the bounded background uploader (:mod:`~ddiloco_geo.learner.uploader`), which encodes it with
-   the run's codec, the learner's vector clock, counters and base version, and writes it create-only.
+1. adopt the global fragment versions the background poller (:mod:`~ddiloco_geo.learner.poller`)
+   has downloaded (``learner.adopt``: keep the unsent local progress on top, or overwrite);
+2. take one AdamW step on the learner's own data shard (under ``torchrun``: DDP or FSDP ranks,
+   :mod:`~ddiloco_geo.learner.ranks`), counting steps and tokens per fragment;
+3. for each fragment due (``fragments.Schedule``: (t − offset_p) mod H == 0), hand the progress
+   ``base − local`` (or, with error feedback, the increment since the previous send) to the
+   bounded background uploader (:mod:`~ddiloco_geo.learner.uploader`), which encodes and writes it.
 
 Only rank 0 talks to storage. Nothing in the step waits for storage: polling, downloads, encoding,
 uploads and heartbeats run in threads. On SIGTERM (or a preemption notice) the learner stops
@@ -142,8 +139,10 @@ class Learner:
         # counters at that point; at join (fresh, or resumed from a checkpoint written after every
         # fragment was flushed) everything local is accounted for
         self.keep_progress = self.cfg.adopt == "keep_progress"
+        # error feedback: send increments since the previous send (uploader.py)
+        self.increments = self.cfg.error_feedback == "on" or (self.cfg.error_feedback == "auto" and self.spec.codec == "topk")
         self.ref: dict[int, dict[str, torch.Tensor]] = {}
-        if self.keep_progress:
+        if self.keep_progress or self.increments:
             self.ref = {p: modelmod.get_tensors(self.model, self.spec.plan.fragments[p]) for p in range(P)}
         self.c_ref_steps = list(self.c_steps)
         self.c_ref_tokens = list(self.c_tokens)
@@ -156,6 +155,7 @@ class Learner:
                                      codec_name=self.spec.codec, block_size=self.spec.quant_block,
                                      first_seq=protocol.next_delta_seq(self.store, self.learner_id, self.own_verifier),
                                      inline=self.inline_io, metrics=self.metrics, signer=self.signer)
+            self.uploader.load_residuals(self.resumed_residual)
             self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
                                        dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled,
                                        verify=self.global_verifier, require_signature=self.require_signatures)
@@ -181,6 +181,7 @@ class Learner:
     def write_checkpoint(self, cursors: list[dict]) -> str | None:
         """Local parameters, AdamW moments, counters, data cursors and clock (rank 0, create-only)."""
         tensors, adam_steps = self._checkpoint_state()
+        tensors.update(ckpt.residual_tensors(self.uploader.residuals()))
         header = codec.Header(
             kind="checkpoint", run_id=self.spec.run_id, learner=self.learner_id, seq=self.uploader.next_seq,
             clock=self.clock, num_steps=self.step, num_tokens=self.tokens_total,
@@ -199,7 +200,7 @@ class Learner:
         """Continue from this learner's newest checkpoint: its data cursors, step count and AdamW
         moments always; its parameters and counters too when its base versions are within the
         syncer's staleness bound of the current globals (else it keeps the latest globals)."""
-        found = None
+        found, self.resumed_residual = None, {}
         if self.rank == 0:
             found = ckpt.latest_checkpoint(self.store, self.learner_id, self.spec.run_id, verifier=self.own_verifier,
                                            require_signature=self.require_signatures)
@@ -224,6 +225,7 @@ class Learner:
         if info["compatible"]:
             if self.rank == 0:
                 self.clock = self.clock.merge(found[1].clock)
+                self.resumed_residual = ckpt.residuals_of(found[2])
                 for p, v in enumerate(info["base_version"]):
                     if int(v) != self.base_version[p]:
                         self.base[p] = self._read_global(p, int(v))[1]
@@ -260,6 +262,8 @@ class Learner:
                 self.frag_steps_discarded += unsent_steps
                 self.c_steps[p] = self.c_tokens[p] = 0
                 self.last_sent_step[p] = self.step
+                if self.increments:
+                    self.ref[p] = tensors
             self.c_ref_steps[p] = self.c_ref_tokens[p] = 0
             if self.rank == 0:
                 self.base[p] = tensors
@@ -295,12 +299,12 @@ class Learner:
             return
         names = self.spec.plan.fragments[p]
         local = modelmod.get_tensors(self.model, names)
-        if self.rank == 0:
-            pseudo_grad = {n: self.base[p][n] - local[n] for n in names}
-            self.uploader.submit(Outgoing(p, pseudo_grad, self.base_version[p], self.c_steps[p], self.c_tokens[p],
-                                          self.step, step_s, self.clock))
+        if self.rank == 0:  # since the base (cumulative), or since the previous send (increments)
+            since, c0, t0 = (self.ref[p], self.c_ref_steps[p], self.c_ref_tokens[p]) if self.increments else (self.base[p], 0, 0)
+            self.uploader.submit(Outgoing(p, {n: since[n] - local[n] for n in names}, self.base_version[p], self.c_steps[p] - c0,
+                                          self.c_tokens[p] - t0, self.step, step_s, self.clock, self.increments))
         self.last_sent_step[p] = self.step
-        if self.keep_progress:
+        if self.keep_progress or self.increments:
             self.ref[p] = local
         self.c_ref_steps[p], self.c_ref_tokens[p] = self.c_steps[p], self.c_tokens[p]
 

@@ -7,6 +7,16 @@ oldest is dropped and counted (``deltas_dropped``). A write that fails beyond th
 kept and retried with backoff. A key that already exists is either our own earlier write whose
 response was lost (same bytes: done) or an earlier incarnation's (next sequence number).
 
+**Increments with error feedback** (``learner.error_feedback``, on by default for ``topk``): an
+item marked ``increment`` carries the progress since the learner's previous send, not since its
+base. Before encoding, the fragment's residual (what the codec dropped from earlier increments) is
+added; after the write, the residual becomes that sum minus what the object decodes to, so the
+sum of everything decoded plus the residual is exactly the progress handed over. Queued increments
+of one fragment are summed, not replaced; a dropped increment (queue full) is folded into the
+residual with its step and token counts, so it goes out with the fragment's next delta. The
+residuals live here, on the uploader's thread, and are saved in the learner's exit checkpoint
+(after the drain) and restored on resume (:meth:`Uploader.load_residuals`).
+
 Shutdown: :meth:`Uploader.close` stops intake and drains within a deadline, then joins the thread.
 """
 
@@ -41,6 +51,13 @@ class Outgoing:
     step: int
     step_s: float
     clock: VectorClock
+    increment: bool = False  # progress since the previous send (error feedback), not since the base
+
+    def absorb(self, older: "Outgoing") -> None:
+        """Add an older increment of the same fragment into this one."""
+        torch._foreach_add_([self.pseudo_grad[n] for n in self.pseudo_grad], [older.pseudo_grad[n] for n in self.pseudo_grad])
+        self.num_steps += older.num_steps
+        self.num_tokens += older.num_tokens
 
 
 class Uploader:
@@ -62,6 +79,10 @@ class Uploader:
         self.abandoned = False  # set when close() ran out of time: the thread exits after its current write
         self.counters = {"deltas_sent": 0, "deltas_coalesced": 0, "deltas_dropped": 0, "upload_errors": 0,
                          "delta_bytes": 0}
+        # error feedback: per fragment, what the codec has not sent yet, and the step and token counts
+        # of dropped increments folded into it
+        self.residual: dict[int, dict[str, torch.Tensor]] = {}
+        self.residual_counts: dict[int, tuple[int, int]] = {}
         self.thread: threading.Thread | None = None
         if not inline:
             self.thread = threading.Thread(target=self._loop, name="uploader", daemon=True)
@@ -73,17 +94,25 @@ class Uploader:
             return
         with self.cond:
             for i, queued in enumerate(self.queue):
-                # cumulative since their base: only a delta on the same base contains the queued one
-                if queued.fragment == item.fragment and queued.base_version == item.base_version:
-                    self.queue[i] = item
-                    self.counters["deltas_coalesced"] += 1
-                    self.metrics.upload_drops_total.inc(reason="coalesced")
-                    return
+                if queued.fragment != item.fragment:
+                    continue
+                if item.increment and queued.increment:  # disjoint progress: the sum carries both
+                    item.absorb(queued)
+                elif queued.base_version != item.base_version or item.increment or queued.increment:
+                    continue
+                # (cumulative since their base: only a delta on the same base contains the queued one)
+                self.queue[i] = item
+                self.counters["deltas_coalesced"] += 1
+                self.metrics.upload_drops_total.inc(reason="coalesced")
+                return
             if len(self.queue) >= self.maxsize:
                 dropped = self.queue.popleft()
                 self.counters["deltas_dropped"] += 1
                 self.metrics.upload_drops_total.inc(reason="dropped")
-                log.warning("delta_dropped fragment=%d reason=upload_queue_full", dropped.fragment)
+                if dropped.increment:  # nothing is lost: it goes out with the fragment's next delta
+                    self._fold(dropped)
+                log.warning("delta_dropped fragment=%d reason=upload_queue_full%s", dropped.fragment,
+                            " action=folded_into_residual" if dropped.increment else "")
             self.queue.append(item)
             self.cond.notify()
 
@@ -108,7 +137,11 @@ class Uploader:
                 self.counters["upload_errors"] += 1
                 log.warning("delta_upload_failed fragment=%d error=%s action=retry_in=%.1fs", item.fragment, exc, backoff)
                 with self.cond:  # back to the front, unless a newer delta of its fragment (which contains it) is queued
-                    if not any(q.fragment == item.fragment and q.base_version == item.base_version for q in self.queue):
+                    newer = [q for q in self.queue if q.fragment == item.fragment
+                             and (q.increment if item.increment else q.base_version == item.base_version)]
+                    if item.increment and newer:
+                        newer[0].absorb(item)
+                    elif not newer:
                         self.queue.appendleft(item)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -117,16 +150,43 @@ class Uploader:
                     self.busy = False
                     self.cond.notify_all()
 
+    def _fold(self, item: Outgoing) -> None:
+        """Add a dropped increment to its fragment's residual (under ``self.cond``)."""
+        names, res = list(item.pseudo_grad), self.residual.get(item.fragment)
+        self.residual[item.fragment] = dict(zip(names, [t.clone() for t in item.pseudo_grad.values()] if res is None else
+                                                torch._foreach_add([res[n] for n in names], [item.pseudo_grad[n] for n in names])))
+        steps, tokens = self.residual_counts.get(item.fragment, (0, 0))
+        self.residual_counts[item.fragment] = (steps + item.num_steps, tokens + item.num_tokens)
+
+    def load_residuals(self, residual: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Restore residuals saved in a checkpoint (before the first send)."""
+        with self.cond:
+            self.residual = {p: dict(r) for p, r in residual.items()}
+
+    def residuals(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The residuals now (for the exit checkpoint, after the drain)."""
+        with self.cond:
+            return {p: dict(r) for p, r in self.residual.items()}
+
     def _upload(self, item: Outgoing) -> None:
+        payload, steps, tokens = item.pseudo_grad, item.num_steps, item.num_tokens
+        res, folded = None, (0, 0)
+        if item.increment:
+            with self.cond:
+                res = self.residual.get(item.fragment)
+                folded = self.residual_counts.get(item.fragment, (0, 0))
+            if res is not None:
+                payload = dict(zip(payload, torch._foreach_add([payload[n] for n in payload], [res[n] for n in payload])))
+            steps, tokens = steps + folded[0], tokens + folded[1]
         while True:
             seq = self.next_seq
             header = codec.Header(
                 kind="delta", run_id=self.spec.run_id, fragment=item.fragment, learner=self.learner, seq=seq,
                 base_version=item.base_version, clock=item.clock.merge(VectorClock({self.learner: seq + 1})),
-                num_steps=item.num_steps, num_tokens=item.num_tokens,
-                extra={"step": item.step, "step_s": item.step_s},
+                num_steps=steps, num_tokens=tokens,
+                extra={"step": item.step, "step_s": item.step_s, **({"increment": True} if item.increment else {})},
             )
-            data = codec.encode(item.pseudo_grad, header, codec=self.codec_name, block_size=self.block_size,
+            data = codec.encode(payload, header, codec=self.codec_name, block_size=self.block_size,
                                 signer=self.signer)
             key = layout.delta_key(self.learner, seq, item.fragment)
             if self.store.put_if_absent(key, data):
@@ -136,6 +196,20 @@ class Uploader:
                 break
             self.next_seq += 1
         self.next_seq = seq + 1
+        if item.increment:  # what the codec dropped goes out with the next delta of the fragment
+            _, sent = codec.decode(data, kind="delta", run_id=self.spec.run_id)
+            names = list(payload)
+            left = torch._foreach_sub([payload[n] for n in names], [sent[n] for n in names])
+            with self.cond:
+                now = self.residual.get(item.fragment)
+                if now is not None and now is not res:  # increments dropped meanwhile were folded in
+                    torch._foreach_add_(left, [now[n] for n in names])
+                    if res is not None:
+                        torch._foreach_sub_(left, [res[n] for n in names])
+                self.residual[item.fragment] = dict(zip(names, left))
+                counts = self.residual_counts.pop(item.fragment, (0, 0))
+                if counts != folded:
+                    self.residual_counts[item.fragment] = (counts[0] - folded[0], counts[1] - folded[1])
         self.counters["deltas_sent"] += 1
         self.counters["delta_bytes"] += len(data)
         self.metrics.deltas_sent_total.inc(fragment=str(item.fragment))

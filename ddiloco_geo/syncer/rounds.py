@@ -95,7 +95,11 @@ def anchoring_of(state: FragmentState, d: PendingDelta, anchoring: str) -> str:
     it is, except for a delta whose base is at or below the base of this learner's newest merged
     delta on the fragment: the learner sent again before adopting the version that holds its earlier
     delta, so its progress still carries the merged part, and it is anchored at the current global
-    (a pull, which never applies anything twice)."""
+    (a pull, which never applies anything twice). An increment (a delta marked ``increment``: the
+    learner's progress since its previous send, with error feedback) is always applied as it is:
+    it holds no earlier delta's work, and pulling would undo what the residual carries."""
+    if is_increment(d):
+        return "base"
     if anchoring == "base" and d.header.base_version <= state.merged_base.get(d.learner, -1):
         return "current"
     return anchoring
@@ -109,12 +113,17 @@ def merged_bases(previous: dict[str, int], entries: list[dict[str, Any]]) -> dic
     return out
 
 
+def is_increment(d: PendingDelta) -> bool:
+    return d.header.extra.get("increment") is True
+
+
 def select_contributors(pending: list[PendingDelta]) -> tuple[list[PendingDelta], list[PendingDelta]]:
-    """(contributors, superseded): the newest delta per (learner, base version)."""
-    newest: dict[tuple[str, int], PendingDelta] = {}
+    """(contributors, superseded): the newest delta per (learner, base version); increments hold
+    disjoint work, so every one of them contributes."""
+    newest: dict[tuple[str, int, int], PendingDelta] = {}
     superseded = []
     for d in sorted(pending, key=lambda d: (d.learner, d.seq)):
-        slot = (d.learner, d.header.base_version)
+        slot = (d.learner, d.header.base_version, d.seq if is_increment(d) else -1)
         if slot in newest:
             superseded.append(newest[slot])
         newest[slot] = d

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.unit
 SECRET = "unit-test-run-secret"
 
 
-def _outgoing(run, p: int, steps: int = 1) -> Outgoing:
+def _outgoing(run, p: int, steps: int = 1, increment: bool = False) -> Outgoing:
     pg = {n: torch.full(s, float(steps)) for n, s in run.spec.plan.expect(p).items()}
-    return Outgoing(p, pg, 0, steps, steps * 64, steps, 0.1, VectorClock())
+    return Outgoing(p, pg, 0, steps, steps * 64, steps, 0.1, VectorClock(), increment)
 
 
 class _GatedStore:
@@ -62,6 +62,31 @@ def test_full_upload_queue_coalesces_a_fragment_and_drops_the_oldest_other(tiny_
     keys = run.store.list(layout.deltas_dir("l0"))
     assert [layout.parse_delta_key(k).fragment for k in keys] == [0, 2, 3]
     assert up.thread is not None and not up.thread.is_alive()
+
+
+def test_increments_are_summed_in_the_queue_and_a_dropped_one_is_folded_into_the_residual(tiny_run):
+    run = tiny_run()
+    gated = _GatedStore(run.store)
+    up = Uploader(gated, run.spec, "l0", maxsize=2, codec_name="fp32", block_size=128, first_seq=0)
+    up.submit(_outgoing(run, 0, increment=True))            # taken by the thread, held at the gate
+    assert gated.entered.wait(10)
+    up.submit(_outgoing(run, 1, steps=2, increment=True))   # queued
+    up.submit(_outgoing(run, 1, steps=3, increment=True))   # same fragment: summed with it (2 + 3)
+    assert up.counters["deltas_coalesced"] == 1
+    up.submit(_outgoing(run, 2, increment=True))            # queued: full
+    up.submit(_outgoing(run, 3, increment=True))            # full: the oldest (f1, 2 + 3) is folded, not lost
+    assert up.counters["deltas_dropped"] == 1 and set(up.residual) == {1}
+    up.submit(_outgoing(run, 1, steps=4, increment=True))   # f2 goes the same way; f1 goes out with 5 + 4
+    gated.gate.set()
+    assert up.close(deadline_s=20)
+    got = {}
+    for key in run.store.list(layout.deltas_dir("l0")):
+        header, tensors = codec.decode(run.store.get(key), kind="delta", run_id=run.spec.run_id)
+        assert header.extra["increment"] is True
+        got.setdefault(header.fragment, []).append((header.num_steps, {float(t.flatten()[0]) for t in tensors.values()}))
+    assert got[1] == [(9, {9.0})]  # 2 + 3 (folded) + 4: every step and value arrives, once
+    assert up.residual[1] and all(float(t.abs().max()) == 0 for t in up.residual[1].values())  # fp32 drops nothing
+    assert 2 not in got and set(up.residual[2]) and up.residual_counts[2] == (1, 64)  # f2 waits in the residual
 
 
 def test_close_gives_up_at_the_deadline_and_joins_the_thread(tiny_run):
@@ -246,3 +271,42 @@ def test_a_malformed_index_reads_as_empty_and_is_replaced(tiny_run, body, caplog
     assert versions == {} and token is not None and "index_unverified" in caplog.text
     assert protocol.advance_index(run.store, {0: 3}) == {0: 3}
     assert protocol.read_index(run.store)[0] == {0: 3}
+
+
+def test_error_feedback_sends_all_progress_and_its_residual_survives_a_restart(tiny_run):
+    """run.codec=topk (error feedback on by default): every delta is an increment since the previous
+    send; what top-k dropped stays in a residual and goes out later, so everything decoded plus the
+    residual is exactly the progress made, and the residual comes back from the exit checkpoint."""
+    run = tiny_run(**{"run.codec": "topk"})
+    run.syncer()
+    start = {p: run.fragment_params(p, 0) for p in range(run.spec.plan.num_fragments)}
+    first = _learner(run, max_steps=40)
+    assert first.increments
+    for _ in range(30):
+        first.step_once()
+    summary = first.finish()  # flushes every fragment, drains, checkpoints
+    sent = {p: {n: torch.zeros_like(t) for n, t in start[p].items()} for p in start}
+    steps = dict.fromkeys(start, 0)
+    for key in run.store.list(layout.deltas_dir("l0")):
+        header, tensors = codec.decode(run.store.get(key), kind="delta", run_id=run.spec.run_id)
+        assert header.extra["increment"] is True
+        steps[header.fragment] += header.num_steps
+        for n, t in tensors.items():
+            sent[header.fragment][n] += t
+    residual = first.uploader.residuals()
+    dropped = 0.0
+    for p in start:
+        assert steps[p] == 30  # every step of every fragment counted once
+        local = {n: t.detach().cpu() for n, t in first.model.named_parameters() if n in start[p]}
+        for n in start[p]:
+            progress = start[p][n] - local[n]
+            torch.testing.assert_close(sent[p][n] + residual[p][n], progress, rtol=0, atol=1e-5)
+            dropped += float(residual[p][n].norm())
+    assert dropped > 0  # top-k did drop something: the residual is what carries it
+    second = _learner(run, max_steps=40)
+    assert second.resumed_from == summary["checkpoint"]
+    again = second.uploader.residuals()
+    assert set(again) == set(residual)
+    for p in residual:
+        for n in residual[p]:
+            assert torch.equal(again[p][n], residual[p][n])

@@ -158,6 +158,32 @@ def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_bas
     assert rec["merged"][0]["anchor"] == "current"
 
 
+def test_increments_all_contribute_and_are_applied_as_progress(tiny_run):
+    # deltas marked increment (error feedback): two from one learner on one base hold disjoint work,
+    # so neither supersedes the other; a stale one is applied as it is, under either anchoring
+    run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
+                      "syncer.update_codec": "fp32"})
+    syncer = run.syncer()
+    p, inc = 0, {"extra": {"increment": True}}
+    base0 = run.fragment_params(p, 0)
+    k1 = run.write_delta("a", p, pg_const(run, p, 0.5), header_overrides=inc)
+    k2 = run.write_delta("a", p, pg_const(run, p, 0.25), header_overrides=inc)
+    poll(syncer)
+    syncer.merge_ready()
+    rec = protocol.read_header(run.store, layout.global_key(p, 1)).extra
+    assert [e["key"] for e in rec["merged"]] == [k1, k2] and rec["superseded"] == []
+    assert all(e["anchor"] == "base" for e in rec["merged"])  # the run's anchoring is current
+    v1 = run.fragment_params(p, 1)
+    for n in v1:  # RDA of two aligned steps of norms 0.5 and 0.25 (equal weights): 0.375
+        torch.testing.assert_close(v1[n], base0[n] - 0.375, rtol=1e-5, atol=1e-6)
+    run.write_delta("b", p, pg_const(run, p, -0.25), base_version=0, header_overrides=inc)  # stale
+    poll(syncer)
+    syncer.merge_ready()
+    v2 = run.fragment_params(p, 2)
+    for n in v2:
+        torch.testing.assert_close(v2[n], v1[n] + 0.25, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("case, reason", [
     ("garbage", "bad_header"),
     ("truncated", "truncated"),
