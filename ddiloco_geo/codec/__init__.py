@@ -10,7 +10,8 @@ pickled. Pure tensor code, no I/O. The modules, bottom up:
 - ``sparse``: the ``topk`` codec (per-chunk top-k, 12-bit indices, ternary values) and ``sparsify``,
   what it sends as a dense tensor (for error feedback: ``residual = x - sparsify(x)``);
 - ``checksum``: SHA-256 over the stored tensor bytes (``checksum_of``);
-- ``wire``: ``encode``/``decode``/``read_header``, the order of decode's checks, and signing.
+- ``wire``: ``encode``/``decode``/``read_header``, ``roundtrip`` (what decode would yield, without
+  serializing: for error feedback), the order of decode's checks, and signing.
 
 ``decode`` raises only ``CodecError(reason, detail)``; ``read_header`` never verifies anything
 (routing, never trust). This facade is the public API: call sites use ``from ddiloco_geo import
@@ -24,11 +25,11 @@ from ddiloco_geo.codec.framing import MAX_HEADER_BYTES, header_span
 from ddiloco_geo.codec.header import FORMAT_KEY, FORMAT_VERSION, KINDS, Header
 from ddiloco_geo.codec.quantize import CODECS, DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, QMAX, Codec
 from ddiloco_geo.codec.sparse import DEFAULT_CHUNK, DEFAULT_TOPK, MAX_CHUNK, sparsify
-from ddiloco_geo.codec.wire import decode, encode, read_header
+from ddiloco_geo.codec.wire import decode, encode, read_header, roundtrip
 from ddiloco_geo.core.errors import CodecError
 
 __all__ = [
     "CODECS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHUNK", "DEFAULT_TOPK", "FORMAT_KEY", "FORMAT_VERSION", "KINDS", "MAX_BLOCK_SIZE", "MAX_CHUNK",
     "MAX_HEADER_BYTES", "QMAX", "Codec", "CodecError", "Header", "checksum_of", "decode", "encode",
-    "header_span", "read_header", "sparsify",
+    "header_span", "read_header", "roundtrip", "sparsify",
 ]  # fmt: skip

@@ -37,7 +37,7 @@ from ddiloco_geo.codec.header import Header, check_header, header_metadata, pars
 from ddiloco_geo.codec.quantize import (
     CODECS, MAX_BLOCK_SIZE, QMAX, dequantize_blocks, quantize_blocks, resolve_block_size, store_float,
 )  # fmt: skip
-from ddiloco_geo.codec.sparse import MAX_CHUNK, resolve, sparse_decode, sparse_encode, stored_sizes
+from ddiloco_geo.codec.sparse import MAX_CHUNK, resolve, sparse_decode, sparse_encode, sparsify, stored_sizes
 from ddiloco_geo.core.errors import CodecError
 from ddiloco_geo.core.signing import SIGNATURE_FIELD, SIGNER_FIELD, Signer, Verifier, signed_message
 
@@ -114,6 +114,35 @@ def encode(
         metadata[SIGNER_FIELD] = signer.key_id
         metadata[SIGNATURE_FIELD] = signer.sign(signed_message(metadata))
     return serialize(stored, metadata)
+
+
+def roundtrip(tensors: Mapping[str, torch.Tensor], codec: str, *, block_size: int = 0,
+              topk: int = 0) -> dict[str, torch.Tensor]:
+    """What ``decode(encode(tensors, codec=..., block_size=..., topk=...))`` yields, bit for bit,
+    without serializing or hashing: float32 CPU tensors of the same shapes (for error feedback,
+    ``residual = x - roundtrip(x)``). Raises like ``encode`` for unusable arguments and NaN/Inf."""
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}: expected one of {', '.join(CODECS)}")
+    if codec == "topk":
+        block_size, topk = resolve(block_size, topk)
+    else:
+        block_size = resolve_block_size(codec, block_size)
+    out = {}
+    for name in _check_tensors(tensors):
+        x = tensors[name].detach()
+        try:
+            if codec == "topk":
+                out[name] = sparsify(x, block_size=block_size, topk=topk).cpu()
+                if not bool(torch.isfinite(out[name]).all()):
+                    raise CodecError("nonfinite", "NaN or Inf in input")
+            elif codec in QMAX:
+                q, scale = quantize_blocks(x.reshape(-1), codec, block_size, lambda _rows: None)
+                out[name] = dequantize_blocks(q, scale, codec, block_size, x.numel()).view(x.shape)
+            else:
+                out[name] = store_float(x, codec, name).float()
+        except CodecError as exc:
+            raise CodecError(exc.reason, f"{name}: {exc.detail}") from None
+    return out
 
 
 def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:

@@ -43,12 +43,10 @@ def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
     what quantization dropped is carried into the next update. Returns (wire bytes, published
     params, new residual).
 
-    What is sent is taken from a decode of the encoded change, so it is by construction what a
-    learner decodes. The object is then encoded a second time, with ``global_checksum`` in its
-    header: the codec has no way to add a header field to bytes it has already produced (the
-    quantized payload of both encodes is the same; see docs/benchmarks.md, syncer). Element-wise
-    work runs as ``torch._foreach_*`` ops over the fragment's tensors, and the change's buffers
-    become the new residual in place.
+    What is sent is ``codec.roundtrip`` of the change: bit for bit what a learner decodes, without
+    serializing; the object is then encoded once, with ``global_checksum`` (of the published
+    params) in its header. Element-wise work runs as ``torch._foreach_*`` ops over the fragment's
+    tensors, and the change's buffers become the new residual in place.
     """
     names = list(new)
     change = torch._foreach_sub([new[n] for n in names], [old[n] for n in names])
@@ -56,8 +54,7 @@ def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
     if carried:
         torch._foreach_add_([change[i] for i in carried], [residual[names[i]] for i in carried])
     change_by_name = dict(zip(names, change))
-    wire = codec.encode(change_by_name, header, codec=codec_name, block_size=block_size)
-    _, sent_by_name = codec.decode(wire, kind="update", run_id=header.run_id)
+    sent_by_name = codec.roundtrip(change_by_name, codec_name, block_size=block_size, topk=header.topk)
     sent = [sent_by_name[n] for n in names]
     published = dict(zip(names, torch._foreach_add([old[n] for n in names], sent)))
     header.extra = {**header.extra, "global_checksum": codec.checksum_of(published)}

@@ -415,3 +415,23 @@ def test_codec_benchmark_smoke():
     assert rows[0]["max_abs_err"] == 0.0 and rows[1]["wire_ratio"] < 0.2  # tiny: header weighs more
     for key in ("speed_vs_memcpy", "encode_mb_s", "decode_mb_s", "rel_l2_err", "memcpy_mb_s"):
         assert rows[1][key] > 0
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "topk"])
+def test_roundtrip_is_what_decode_yields_bit_for_bit(name):
+    # error feedback and the syncer's update objects rely on it: the residual is exact only if
+    # roundtrip(x) is the decoded object, to the bit
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randn(3, 1000, generator=gen), "b": torch.randn(77, generator=gen) * 1e-3,
+               "c": torch.zeros(5, 9)}
+    hdr = codec.Header(kind="delta", run_id="run-1", learner="l-1", seq=1)
+    for block in (0, 64):
+        _, decoded = codec.decode(codec.encode(tensors, hdr, codec=name, block_size=block), kind="delta",
+                                  run_id="run-1")
+        got = codec.roundtrip(tensors, name, block_size=block)
+        assert set(got) == set(decoded)
+        for n in got:
+            assert got[n].dtype == torch.float32 and got[n].shape == tensors[n].shape
+            assert torch.equal(got[n], decoded[n]), (name, block, n)
+    with pytest.raises(codec.CodecError):
+        codec.roundtrip({"x": torch.tensor([1.0, float("nan")])}, name)
