@@ -122,6 +122,11 @@ class LearnerConfig(Section):
     follow_run: bool = Field(False, description="a joining or restarted learner starts its learning-rate schedule (and "
                              "its count toward max_steps) at the run's progress, the largest learner step in the newest "
                              "merge records, instead of at 0 (or its checkpoint's step)")
+    schedule: Literal["own", "run"] = Field(
+        "own", description="where a step is on the learning-rate schedule and toward max_steps: 'own' at the learner's "
+        "own step count; 'run' at the mean over the run's learners of their latest steps (from the merges it "
+        "downloads), so learners of different speeds anneal together and the run stops when M x max_steps steps "
+        "are spent (fast learners take more steps, slow ones fewer)")
     adopt: Literal["overwrite", "keep_progress"] = Field(
         "keep_progress", description="on a new global G of fragment p: 'overwrite' sets local_p = G (work since the last "
         "delta was sent is lost); 'keep_progress' sets local_p = G + (local_p - ref_p), ref_p = local_p at the last "

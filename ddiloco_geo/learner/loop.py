@@ -42,7 +42,7 @@ from ddiloco_geo.learner import ranks
 from ddiloco_geo.learner.data import make_reader
 from ddiloco_geo.learner.poller import GlobalPoller
 from ddiloco_geo.learner.presence import Presence, status_record
-from ddiloco_geo.learner.schedule import lr_schedule, run_progress
+from ddiloco_geo.learner.schedule import lr_schedule, run_position, run_progress
 from ddiloco_geo.learner.uploader import Outgoing, Uploader
 from ddiloco_geo.metrics import Registry, learner_metrics
 from ddiloco_geo.storage import Store
@@ -77,8 +77,7 @@ class Learner:
         self.spec: protocol.RunSpec | None = None
         self.stop_reason: str | None = None
         self.history: list[dict[str, float]] = []
-        self.step = 0
-        self.tokens_total = 0
+        self.step = self.position = self.tokens_total = 0  # position: on the lr schedule (learner.schedule)
         self.registry = Registry()
         self.metrics = learner_metrics(self.registry)
         self.closed = False
@@ -277,7 +276,7 @@ class Learner:
         x, y, num_tokens = self.reader.next_batch()
         x, y = x.to(self.device), y.to(self.device)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.step)
+            group["lr"] = self.lr_at(self.position)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
             _, loss = self.net(x, y)
         self.optimizer.zero_grad(set_to_none=True)
@@ -322,7 +321,7 @@ class Learner:
     def run(self) -> dict[str, Any]:
         self.start_clock()
         while self.step_once():
-            pass
+            continue
         return self.finish()
 
     def start_clock(self) -> None:
@@ -336,17 +335,18 @@ class Learner:
                                      signer=self.signer, heartbeat_s=self.cfg.heartbeat_s, threaded=not self.inline_io)
 
     def step_once(self, step_s: float | None = None) -> bool:
-        """One inner step with its adoptions and sends; False once the learner should stop.
-
-        ``step_s`` overrides the measured step time (in-process harnesses run on simulated time).
-        """
-        if self.step >= self.cfg.max_steps:
-            self.request_stop("max_steps")
+        """One inner step with its adoptions and sends; False once the learner should stop. ``step_s``
+        overrides the measured step time (in-process harnesses run on simulated time)."""
         if self.cfg.max_time_s and time.monotonic() - self.started > self.cfg.max_time_s:
             self.request_stop("max_time")
         adoptions = self.poller.take() if self.rank == 0 else {}
-        adoptions, stop = ranks.sync_control(adoptions, self.stop_reason is not None, self.rank, self.world,
-                                             self.spec.plan)
+        position = self.step if self.cfg.schedule == "own" or self.rank != 0 else \
+            run_position(self.step, self.learner_id, self.poller.run_steps())
+        adoptions, stop, self.position = ranks.sync_control(adoptions, self.stop_reason is not None, position,
+                                                            self.rank, self.world, self.spec.plan)
+        if self.position >= self.cfg.max_steps:  # (the run's budget, with learner.schedule=run)
+            self.request_stop("max_steps")
+            stop = True
         self.adopt(adoptions)
         if stop:
             return False

@@ -21,6 +21,7 @@ from ddiloco_geo import codec, protocol
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.errors import CodecError, NotFoundError, StorageError
+from ddiloco_geo.learner.schedule import merged_steps
 from ddiloco_geo.storage import Store
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class GlobalPoller:
         self.current = dict(current)  # the tensors of each known version (shared, never mutated)
         self.lag: dict[int, int] = {}  # versions behind the index when last seen
         self.refused: dict[int, int] = {}  # fragment -> the version the index named that did not verify
+        self.steps: dict[str, int] = {}  # learner -> its newest step in a merge this learner downloaded
         self.inbox: dict[int, tuple[int, dict[str, torch.Tensor], VectorClock]] = {}
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
@@ -84,6 +86,7 @@ class GlobalPoller:
                     header, tensors = protocol.read_global(self.store, self.spec, p, v, verify=self.verify,
                                                          require_signature=self.require_signature)
                     fetched = (tensors, header.clock)
+                    self._observe(header.extra)
                     self.counters["globals_fetched"] += 1
                 except (CodecError, NotFoundError) as exc:
                     self.counters["globals_rejected"] += 1
@@ -94,6 +97,15 @@ class GlobalPoller:
             self.current[p] = fetched[0]
             with self.lock:
                 self.inbox[p] = (v, fetched[0], fetched[1])
+
+    def _observe(self, extra: dict) -> None:
+        with self.lock:
+            for learner, step in merged_steps(extra).items():
+                self.steps[learner] = max(step, self.steps.get(learner, 0))
+
+    def run_steps(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.steps)
 
     def _via_updates(self, p: int, held: int, version: int):
         tensors, clock = self.current[p], VectorClock()
@@ -110,6 +122,7 @@ class GlobalPoller:
                 if codec.checksum_of(tensors) != header.extra.get("global_checksum"):
                     raise CodecError("checksum", f"rebuilt fragment {p} version {v} differs from the global")
                 clock = clock.merge(header.clock)
+                self._observe(header.extra)
         except (CodecError, NotFoundError) as exc:
             self.counters["update_fallbacks"] += 1
             log.debug("update_fallback fragment=%d version=%d reason=%s", p, version, exc)

@@ -100,17 +100,18 @@ def gather_objects(obj: Any, world: int) -> list:
     return out
 
 
-def sync_control(adoptions: dict, stop: bool, rank: int, world: int, plan: FragmentPlan) -> tuple[dict, bool]:
-    """Rank 0 tells every rank which fragment versions to adopt this step and whether to stop, so
-    every rank applies the same globals at the same step."""
+def sync_control(adoptions: dict, stop: bool, position: int, rank: int, world: int,
+                 plan: FragmentPlan) -> tuple[dict, bool, int]:
+    """Rank 0 tells every rank which fragment versions to adopt this step, whether to stop and
+    where the step is on the learning-rate schedule, so every rank does the same."""
     if world == 1:
-        return adoptions, stop
+        return adoptions, stop, position
     P = plan.num_fragments
-    ctrl = torch.full((P + 1,), -1, dtype=torch.int64)
+    ctrl = torch.full((P + 2,), -1, dtype=torch.int64)
     if rank == 0:
         for p, (v, _, _) in adoptions.items():
             ctrl[p] = v
-        ctrl[P] = int(stop)
+        ctrl[P], ctrl[P + 1] = int(stop), position
     dist.broadcast(ctrl, src=0)
     out = {}
     for p in range(P):
@@ -124,4 +125,4 @@ def sync_control(adoptions: dict, stop: bool, rank: int, world: int, plan: Fragm
         for n in names:
             dist.broadcast(tensors[n], src=0)
         out[p] = (int(ctrl[p]), tensors, adoptions[p][2] if rank == 0 else VectorClock())
-    return out, bool(ctrl[P].item())
+    return out, bool(ctrl[P].item()), int(ctrl[P + 1].item())

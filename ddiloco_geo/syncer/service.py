@@ -309,7 +309,8 @@ class Syncer:
         update, published, residual = None, params, state.residual
         if is_merge and self.update_codec != "none":
             header = codec.Header(kind="update", run_id=self.spec.run_id, fragment=p, version=version,
-                                  base_version=state.version, clock=ticked)
+                                  base_version=state.version, clock=ticked,  # contributors' steps: learner.schedule=run
+                                  extra={"steps": {e["learner"]: e["step"] for e in record["merged"] if e["step"] is not None}})
             update, published, residual = compress_update(state.params, params, state.residual, header,
                                                           self.update_codec, self.spec.block_size, signer=self.signer)
         tensors, outer_steps = outer_state_to_wire(outer)

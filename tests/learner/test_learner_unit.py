@@ -310,3 +310,41 @@ def test_error_feedback_sends_all_progress_and_its_residual_survives_a_restart(t
     for p in residual:
         for n in residual[p]:
             assert torch.equal(again[p][n], residual[p][n])
+
+
+def test_run_schedule_reads_steps_from_merges_and_takes_the_mean():
+    from ddiloco_geo.learner.schedule import merged_steps, run_position
+
+    extra = {"merged": [{"learner": "a", "step": 40}, {"learner": "b", "step": 12}, {"learner": "a", "step": 44},
+                        {"learner": "c", "step": True}, {"learner": 7, "step": 3}, "junk", {"learner": "d", "step": -1}],
+             "steps": {"e": 20, "f": "x", "g": 2**41}}
+    assert merged_steps(extra) == {"a": 44, "b": 12, "e": 20}
+    assert merged_steps({"merged": "not a list", "steps": []}) == {}
+    assert run_position(30, "a", {"a": 44, "b": 12, "e": 20}) == (30 + 12 + 20) // 3  # its own step, not its old one
+    assert run_position(7, "a", {}) == 7
+
+
+def test_with_the_run_schedule_learners_of_different_speeds_anneal_together_and_stop_at_the_runs_budget():
+    """learner.schedule=run: a learner three times faster than the other takes about three times
+    the steps, both follow the mean on the learning-rate schedule, and the run stops when the two
+    together have taken 2 x max_steps (within a sync period of lag); with the default 'own'
+    schedule each takes max_steps."""
+    from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
+    from tests.service.conftest import tiny_settings
+
+    def run(schedule):
+        settings = tiny_settings(**{"storage.url": "memory://unused", "learner.max_steps": 60,
+                                    "learner.warmup_steps": 2, "learner.schedule": schedule,
+                                    "syncer.grace_gamma": 0.0})
+        r = InProcessRun(settings, [LearnerSpeed(1.0), LearnerSpeed(3.0)])
+        try:
+            r.run()
+            return [ln.step for ln in r.learners], [ln.position for ln in r.learners]
+        finally:
+            r.close()
+
+    assert run("own")[0] == [60, 60]
+    (fast, slow), (p_fast, p_slow) = run("run")
+    assert 2.4 <= fast / slow <= 3.6, (fast, slow)
+    assert 120 - 2 * 4 * 3 <= fast + slow <= 120 + 4, (fast, slow)  # 4 = H: the merges the mean is read from lag
+    assert p_fast >= 60 and p_slow >= 60 - 4 * 3  # both stopped on the run's budget, not their own
