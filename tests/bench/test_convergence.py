@@ -51,3 +51,22 @@ def test_a_tiny_study_runs_every_kind_of_arm_and_writes_table_and_plot(tmp_path)
     assert rows[("adopt", 1.0)]["tokens"] == rows[("lockstep", 1.0)]["tokens"]  # same tokens per arm
     assert rows[("faults", 1.0)]["discarded_ratio"] >= 0
     assert (out / "convergence.png").stat().st_size > 10_000
+
+
+def test_speeds_and_jitter_override_the_arms_own(monkeypatch):
+    from ddiloco_geo.tools.bench import convergence
+    from ddiloco_geo.tools.inprocess import LearnerSpeed
+
+    seen = []
+
+    def fake(settings, speeds, **kw):
+        seen.append(speeds)
+        return {"discarded_fragment_steps_ratio": 0.0, "eval_loss": 1.0, "tokens": 1}
+
+    monkeypatch.setattr(convergence, "train_harness", fake)
+    args = {"model": "nano", "corpus": None, "seed": 0, "overrides": ["data.max_bytes=200000"], "json": True}
+    for speeds, jitter in (("arm", None), ("equal", 0.1), ("hetero", 0.0)):
+        convergence._task({"arm": "async", "M": 2, "h": 1.0, "steps": 8,
+                           "args": {**args, "speeds": speeds, "jitter": jitter}})
+    assert seen == [[LearnerSpeed(1.0, 0.1), LearnerSpeed(1.18, 0.1)],  # the async arm's own: mixed, 10% jitter
+                    [LearnerSpeed(1.0, 0.1)] * 2, [LearnerSpeed(1.0, 0.0), LearnerSpeed(1.18, 0.0)]]

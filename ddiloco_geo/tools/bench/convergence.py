@@ -81,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out/convergence", help="directory for convergence.json and convergence.png")
     p.add_argument("--seed", type=int, default=0, help="harness seed (learner speeds and jitter)")
     p.add_argument("--set", action="append", default=[], dest="overrides", help="settings KEY=VALUE for every arm")
+    p.add_argument("--speeds", choices=["arm", EQUAL, HETERO], default="arm",
+                   help="learner speeds of the harness arms: each arm's own (default), or all equal / half 18%% slower")
+    p.add_argument("--jitter", type=float, help="step-time jitter of the harness arms, as a share of the step "
+                   "(default: the arm's: 0 for equal speeds, 0.1 for mixed)")
 
 
 def _settings(args: argparse.Namespace, M: int, steps: int, arm_settings: dict[str, Any]):
@@ -120,13 +124,18 @@ def _task(job: dict[str, Any]) -> dict[str, Any]:
             res = train_lockstep(settings, M, label=f"lockstep M={M} h={job['h']}")
             out = {"eval_loss": res.eval_loss, "tokens": res.tokens}
         else:
-            out = _harness(settings, M, speeds, faults, args.seed, f"{arm} M={M} h={job['h']}")
+            speeds = speeds if getattr(args, "speeds", "arm") == "arm" else args.speeds
+            out = _harness(settings, M, speeds, faults, args.seed, f"{arm} M={M} h={job['h']}",
+                           jitter=getattr(args, "jitter", None))
     out.update({"arm": arm, "M": M, "h": job["h"], "steps": steps, "wall_s": time.perf_counter() - t0})
     return out
 
 
-def _harness(settings, M: int, speeds: str, faults: bool, seed: int, label: str) -> dict[str, Any]:
+def _harness(settings, M: int, speeds: str, faults: bool, seed: int, label: str,
+             jitter: float | None = None) -> dict[str, Any]:
     sp = [LearnerSpeed(1.0, 0.0)] * M if speeds == EQUAL else hetero_speeds(M)
+    if jitter is not None:
+        sp = [LearnerSpeed(s.step_s, jitter) for s in sp]
     steps = settings.learner.max_steps
     events = [Fault(learner=M - 1, at_step=int(0.4 * steps), down_steps=max(1, int(0.05 * steps)))] if faults else []
     out = train_harness(settings, sp, seed=seed, faults=events, label=label)
