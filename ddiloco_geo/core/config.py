@@ -124,7 +124,7 @@ class LearnerConfig(Section):
                              "merge records, instead of at 0 (or its checkpoint's step)")
     schedule: Literal["own", "run"] = Field(
         "own", description="where a step is on the learning-rate schedule and toward max_steps: 'own' at the learner's "
-        "own step count; 'run' at the mean over the run's learners of their latest steps (from the merges it "
+        "own step count; 'run' at the median over the run's learners of their latest steps (from the merges it "
         "downloads), so learners of different speeds anneal together and the run stops when M x max_steps steps "
         "are spent (fast learners take more steps, slow ones fewer)")
     adopt: Literal["overwrite", "keep_progress"] = Field(

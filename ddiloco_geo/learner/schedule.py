@@ -3,12 +3,13 @@ peak at ``max_steps``; where a joining learner starts on it (``learner.follow_ru
 progress, read from the newest merge records, so a restarted or newly joined learner does not
 restart its warm-up at full rate while the others are near the end of theirs); and, with
 ``learner.schedule = run``, where every learner is on it at each step: the mean over the run's
-learners of their latest steps (:func:`run_position`), so learners of different speeds anneal
+learners of their latest steps (:func:`run_position`: the median), so learners of different speeds anneal
 together and the run stops when its total budget of M x ``max_steps`` steps is spent."""
 
 from __future__ import annotations
 
 import math
+import statistics
 
 from ddiloco_geo.codec import Header
 
@@ -40,10 +41,11 @@ def merged_steps(extra: dict) -> dict[str, int]:
 
 
 def run_position(own_step: int, me: str, steps: dict[str, int]) -> int:
-    """``learner.schedule = run``: the mean of this learner's step and every other learner's latest
-    merged step (M x the mean is the run's total steps, i.e. its tokens / tokens per step)."""
-    others = [s for learner, s in steps.items() if learner != me]
-    return (own_step + sum(others)) // (1 + len(others))
+    """``learner.schedule = run``: the median of this learner's step and every other learner's
+    latest merged step. For a symmetric mix of speeds it is the mean, and M x the mean is the run's
+    total steps (its tokens / tokens per step); unlike the mean, one learner that reports an absurd
+    step (a bug, or an insider) cannot move every learner to the end of the schedule."""
+    return int(statistics.median([own_step, *(s for learner, s in steps.items() if learner != me)]))
 
 
 def run_progress(header: Header) -> int:

@@ -320,7 +320,9 @@ def test_run_schedule_reads_steps_from_merges_and_takes_the_mean():
              "steps": {"e": 20, "f": "x", "g": 2**41}}
     assert merged_steps(extra) == {"a": 44, "b": 12, "e": 20}
     assert merged_steps({"merged": "not a list", "steps": []}) == {}
-    assert run_position(30, "a", {"a": 44, "b": 12, "e": 20}) == (30 + 12 + 20) // 3  # its own step, not its old one
+    assert run_position(30, "a", {"a": 44, "b": 12, "e": 20}) == 20  # its own step counts, not its old one
+    assert run_position(30, "a", {"b": 11}) == 20  # two learners: the mean
+    assert run_position(30, "a", {"b": 28, "c": 2**39}) == 30  # one absurd report moves nothing
     assert run_position(7, "a", {}) == 7
 
 
