@@ -81,13 +81,22 @@ def residual_tensors(residual: dict[int, dict[str, torch.Tensor]]) -> dict[str, 
     return {f"{CKPT_RESIDUAL}{p}.{n}": t for p, r in residual.items() for n, t in r.items()}
 
 
-def residuals_of(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+def residuals_of(tensors: dict[str, torch.Tensor], plan) -> dict[int, dict[str, torch.Tensor]]:
+    """The residuals a checkpoint holds, for fragments whose every tensor is there with the plan's
+    shape; anything else (another plan, a malformed name) is dropped with a warning, never raised:
+    a residual is progress not yet sent, and losing it costs less than a learner that cannot start."""
     out: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         if key.startswith(CKPT_RESIDUAL):
-            p, name = key[len(CKPT_RESIDUAL):].split(".", 1)
-            out.setdefault(int(p), {})[name] = t
-    return out
+            p, _, name = key[len(CKPT_RESIDUAL):].partition(".")
+            if p.isdigit() and int(p) < plan.num_fragments and name in plan.fragments[int(p)]:
+                out.setdefault(int(p), {})[name] = t
+    usable = {p: r for p, r in out.items() if set(r) == set(plan.fragments[p])
+              and all(tuple(r[n].shape) == tuple(plan.shapes[n]) for n in r)}
+    dropped = sum(k.startswith(CKPT_RESIDUAL) for k in tensors) - sum(len(r) for r in usable.values())
+    if dropped:
+        log.warning("checkpoint_residuals_dropped tensors=%d reason=not_in_this_plan", dropped)
+    return usable
 
 
 def params_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

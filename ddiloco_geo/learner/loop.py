@@ -224,7 +224,7 @@ class Learner:
         if info["compatible"]:
             if self.rank == 0:
                 self.clock = self.clock.merge(found[1].clock)
-                self.resumed_residual = ckpt.residuals_of(found[2])
+                self.resumed_residual = ckpt.residuals_of(found[2], self.spec.plan)
                 for p, v in enumerate(info["base_version"]):
                     if int(v) != self.base_version[p]:
                         self.base[p] = self._read_global(p, int(v))[1]

@@ -350,3 +350,20 @@ def test_with_the_run_schedule_learners_of_different_speeds_anneal_together_and_
     assert 2.4 <= fast / slow <= 3.6, (fast, slow)
     assert 120 - 2 * 4 * 3 <= fast + slow <= 120 + 4, (fast, slow)  # 4 = H: the merges the mean is read from lag
     assert p_fast >= 60 and p_slow >= 60 - 4 * 3  # both stopped on the run's budget, not their own
+
+
+def test_residuals_in_a_checkpoint_that_do_not_fit_the_plan_are_dropped_with_a_warning(tiny_run, caplog):
+    from ddiloco_geo.learner import checkpoint as ckpt
+
+    run = tiny_run()
+    plan = run.spec.plan
+    good = {n: torch.ones(plan.shapes[n]) for n in plan.fragments[0]}
+    name = plan.fragments[1][0]
+    tensors = {**ckpt.residual_tensors({0: good}),
+               f"residual.1.{name}": torch.ones(3),          # wrong shape
+               "residual.x.y": torch.ones(1), "residual.": torch.ones(1),  # malformed names
+               f"residual.{plan.num_fragments}.{name}": torch.ones(plan.shapes[name])}  # no such fragment
+    with caplog.at_level(logging.WARNING):
+        got = ckpt.residuals_of(tensors, plan)
+    assert set(got) == {0} and all(torch.equal(got[0][n], good[n]) for n in good)
+    assert "checkpoint_residuals_dropped tensors=4" in caplog.text
