@@ -318,9 +318,9 @@ def _dummy_aws_credentials():
 @pytest.fixture(scope="session")
 def moto_endpoint() -> str:
     _refuse_in_unit_tier("the moto server")
-    from moto.server import ThreadedMotoServer
+    from ddiloco_geo.tools import motoserver
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = motoserver.threaded(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"

@@ -76,11 +76,11 @@ def test_store_url_never_contains_credentials(tmp_path):
 
 
 def test_stopped_server_gives_transient_error_after_retries():
-    from moto.server import ThreadedMotoServer
+    from ddiloco_geo.tools import motoserver
 
     from conftest import create_s3_bucket
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = motoserver.threaded(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"

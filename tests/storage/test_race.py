@@ -112,3 +112,40 @@ def test_local_cas_across_processes_has_one_winner(make_storage_config):
         assert store.get(key) == winners[0].encode()
     # lock and temp files never show up as objects
     assert store.list("globals/") == [key]
+
+
+# --- moto: the servers this project starts decide a conditional write atomically -------------------
+
+
+def test_moto_conditional_writes_are_atomic_even_when_the_server_is_slow(make_store, monkeypatch):
+    """moto checks If-Match and then stores, with no lock between: a server slowed between the two
+    (what CPU load does) lets two writers holding one ETag both win unless ``tools.motoserver``
+    serialises its writes. The pause makes the race certain without the lock."""
+    import time
+
+    from moto.s3.models import S3Backend
+
+    store = make_store("moto")
+    store.cas("HEAD", b"start", None)
+    _, token = store.read_token("HEAD")
+    real_put = S3Backend.put_object
+
+    def slow_put(self, *args, **kwargs):
+        time.sleep(0.3)
+        return real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "put_object", slow_put)
+    barrier = threading.Barrier(4)
+
+    def writer(i: int) -> bool:
+        barrier.wait()
+        try:
+            store.cas("HEAD", f"w{i}".encode(), token)
+            return True
+        except PreconditionFailedError:
+            return False
+
+    with ThreadPoolExecutor(4) as pool:
+        wins = list(pool.map(writer, range(4)))
+    assert wins.count(True) == 1, wins
+    assert store.get("HEAD") == f"w{wins.index(True)}".encode()

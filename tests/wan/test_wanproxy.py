@@ -441,9 +441,9 @@ def test_cli_refuses_a_non_loopback_listen_address():
 
 @pytest.fixture(scope="module")
 def moto_endpoint():
-    from moto.server import ThreadedMotoServer
+    from ddiloco_geo.tools import motoserver
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = motoserver.threaded(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     yield host, port

@@ -64,8 +64,10 @@ def run(args: argparse.Namespace) -> int:
     if args.window < 2 or args.budget_s < 0 or args.steps < 1:
         print("bench overhead: need --window >= 2, --budget-s >= 0 and --steps >= 1", file=sys.stderr)
         return 2
+    from ddiloco_geo.tools import motoserver
+
     try:
-        from moto.server import ThreadedMotoServer
+        import moto.server  # noqa: F401
     except ImportError:
         raise SystemExit("bench overhead needs the S3 test server: pip install 'ddiloco-geo[test]'") from None
     import boto3
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     for name, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ.setdefault(name, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = motoserver.threaded(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"

@@ -125,7 +125,7 @@ def start_moto(logs: Path, env: Mapping[str, str]) -> tuple[str, processes.Child
     for _ in range(3):
         port = free_port()
         proc = processes.start("moto", ["-H", "127.0.0.1", "-p", str(port)], log_path=logs / "moto.log",
-                               env=env, module="moto.server")
+                               env=env, module="ddiloco_geo.tools.motoserver")
         url = f"http://127.0.0.1:{port}"
         if wait_http(url + "/moto-api/", 30, proc):
             log.info("chaos_moto_started pid=%d endpoint=%s", proc.pid, url)
