@@ -34,6 +34,7 @@ import sys
 import uuid
 from typing import Any
 
+from ddiloco_geo.tools import motoserver
 from ddiloco_geo.tools.bench.rounds import interleave, spread
 from ddiloco_geo.tools.wanproxy import WanProxyThread
 
@@ -64,8 +65,6 @@ def run(args: argparse.Namespace) -> int:
     if args.window < 2 or args.budget_s < 0 or args.steps < 1:
         print("bench overhead: need --window >= 2, --budget-s >= 0 and --steps >= 1", file=sys.stderr)
         return 2
-    from ddiloco_geo.tools import motoserver
-
     try:
         import moto.server  # noqa: F401
     except ImportError:
