@@ -5,7 +5,8 @@ values (default 4096, at most 4096); the last chunk may be shorter (r values) an
 ``min(k, r)``. Each chunk keeps the k = ``topk`` values (header field, default 64 per 4096, the
 density 1/64 for other chunks: ``max(1, C // 64)``) of
 largest magnitude, ties broken toward the lower index, so the choice is a function of the values
-alone. Stored, per tensor ``<name>`` (K = the number of kept values over all chunks):
+alone. Each tensor's parts (K = the number of kept values over all chunks; ``codec.wire`` packs
+the parts of all tensors of an object into three stored tensors, ``topk:idx``/``topk:q``/``topk:scale``):
 
 - ``<name>:idx`` uint8: the kept chunk-relative indices, ascending within each chunk, chunk after
   chunk, each in ``w = max(1, bit_length(C - 1))`` bits (12 for C = 4096) of one little-endian bit

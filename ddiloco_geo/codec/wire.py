@@ -41,6 +41,11 @@ from ddiloco_geo.codec.sparse import MAX_CHUNK, resolve, sparse_decode, sparse_e
 from ddiloco_geo.core.errors import CodecError
 from ddiloco_geo.core.signing import SIGNATURE_FIELD, SIGNER_FIELD, Signer, Verifier, signed_message
 
+# The topk codec stores three tensors per object, whatever the number of tensors: each tensor's
+# parts (``sparse``: indices, codes, scales) concatenated in sorted name order. A safetensors entry
+# per part and tensor made the header about twice the payload of a small fragment's delta.
+TOPK_KEYS = ("topk:idx", "topk:q", "topk:scale")
+
 # --- encode --------------------------------------------------------------------------------------
 
 
@@ -75,22 +80,21 @@ def encode(
         block_size, topk = resolve_block_size(codec, block_size), 0
     check_header(header)
     names = _check_tensors(tensors)
-    # Stored keys are laid out, and hashed, in sorted key order: order names by their first key.
-    names.sort(key=lambda n: n + ":" if codec in QMAX or codec == "topk" else n)
+    # Stored keys are laid out, and hashed, in sorted key order: order names by their first key
+    # (topk: the packed parts follow the names' own order, see TOPK_KEYS).
+    names.sort(key=lambda n: n + ":" if codec in QMAX else n)
 
     digest = Digest(parallel=sum(t.numel() for t in tensors.values()) * 4 >= PARALLEL_HASH_BYTES)
     stored: dict[str, torch.Tensor] = {}
+    sparse: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     try:
         for name in names:
             x = tensors[name].detach()
             if codec == "topk":
                 try:
-                    idx, q, scale = sparse_encode(x, block_size, topk)
+                    sparse.append(sparse_encode(x, block_size, topk))
                 except CodecError as exc:
                     raise CodecError(exc.reason, f"{name}: {exc.detail}") from None
-                for part in (idx, q, scale):
-                    digest.update(part)
-                stored[f"{name}:idx"], stored[f"{name}:q"], stored[f"{name}:scale"] = idx, q, scale
             elif codec in QMAX:
                 try:
                     q, scale = quantize_blocks(x.reshape(-1), codec, block_size, digest.update)
@@ -101,6 +105,11 @@ def encode(
             else:
                 stored[name] = store_float(x, codec, name)
                 digest.update(stored[name])
+        if codec == "topk":  # three stored tensors in all (empty ones for an object without tensors)
+            columns = list(zip(*sparse)) or [(torch.empty(0, dtype=torch.uint8),)] * 2 + [(torch.empty(0),)]
+            for key, parts in zip(TOPK_KEYS, columns):
+                stored[key] = torch.cat(parts)
+                digest.update(stored[key])
         checksum = digest.hexdigest()
     finally:
         digest.close()
@@ -230,6 +239,8 @@ def _decode(data, kind, run_id, expect, max_bytes, verify=None, require_signatur
             start, end = layout[key][2]
             digest.update(mv[data_start + start : data_start + end])
         stored = {k: load(mv, data_start, layout[k]) for k in keys}
+        if header.codec == "topk":
+            stored.update(_unpack_topk(header, stored))
         try:  # restored while the bytes hash; a malformed sparse payload is reported after the checksum
             tensors, malformed = {name: _restore(header, name, stored) for name in sorted(header.shapes)}, None
         except CodecError as exc:
@@ -276,14 +287,12 @@ def _check_layout(header: Header, entries: dict[str, Any]) -> dict[str, tuple[to
     if codec == "topk" and not (2 <= bs <= MAX_CHUNK and 1 <= header.topk <= bs):
         raise CodecError("codec", f"topk {header.topk} of a chunk of {bs}: need 1 <= topk <= chunk <= {MAX_CHUNK}")
     wanted: dict[str, tuple[str, tuple[int, ...]]] = {}
+    packed = [0, 0, 0]  # topk: idx bytes, q bytes, scales over all tensors
     for name, shape in header.shapes.items():
         if ":" in name or not name:
             raise CodecError("bad_header", f"tensor name {name[:80]!r} is not allowed")
         if codec == "topk":
-            idx_len, q_len, num_chunks = stored_sizes(numel(shape), bs, header.topk)
-            wanted[f"{name}:idx"] = ("U8", (idx_len,))
-            wanted[f"{name}:q"] = ("U8", (q_len,))
-            wanted[f"{name}:scale"] = ("F32", (num_chunks,))
+            packed = [a + b for a, b in zip(packed, stored_sizes(numel(shape), bs, header.topk))]
         elif codec in QMAX:
             num_blocks = -(-numel(shape) // bs)
             q_len = num_blocks * (bs if codec == "int8" else bs // 2)
@@ -291,6 +300,8 @@ def _check_layout(header: Header, entries: dict[str, Any]) -> dict[str, tuple[to
             wanted[f"{name}:scale"] = ("F32", (num_blocks,))
         else:
             wanted[name] = ("F32" if codec == "fp32" else "BF16", shape)
+    if codec == "topk":
+        wanted.update({key: (dtype, (size,)) for key, dtype, size in zip(TOPK_KEYS, ("U8", "U8", "F32"), packed)})
     stored = {k: v for k, v in entries.items() if k != "__metadata__"}
     reason = "codec" if codec in QMAX or codec == "topk" else "shape"
     if set(stored) != set(wanted):
@@ -316,6 +327,17 @@ def _check_expect(shapes: dict[str, tuple[int, ...]], expect: Mapping[str, tuple
     for name, shape in expect.items():
         if tuple(shapes[name]) != tuple(shape):
             raise CodecError("shape", f"{name!r} is {list(shapes[name])}, expected {list(shape)}")
+
+
+def _unpack_topk(header: Header, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Views ``<name>:idx``/``:q``/``:scale`` of each tensor's slices of the packed topk parts."""
+    views, offsets = {}, [0, 0, 0]
+    for name in sorted(header.shapes):
+        sizes = stored_sizes(numel(header.shapes[name]), header.block_size, header.topk)
+        for i, (key, part) in enumerate(zip(TOPK_KEYS, ("idx", "q", "scale"))):
+            views[f"{name}:{part}"] = stored[key][offsets[i] : offsets[i] + sizes[i]]
+            offsets[i] += sizes[i]
+    return views
 
 
 def _restore(header: Header, name: str, stored: dict[str, torch.Tensor]) -> torch.Tensor:

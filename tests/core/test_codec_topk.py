@@ -67,8 +67,8 @@ def test_topk_matches_naive_reference(shape, chunk, k):
     data = codec.encode({"w": x}, header(), codec="topk", block_size=chunk, topk=k)
     stored = safetensors.torch.load(data)
     idx, q, scales, dense = ref_encode(x.numpy(), chunk, k)
-    assert bytes(stored["w:idx"].numpy()) == idx and bytes(stored["w:q"].numpy()) == q
-    assert np.array_equal(stored["w:scale"].numpy(), scales)
+    assert bytes(stored["topk:idx"].numpy()) == idx and bytes(stored["topk:q"].numpy()) == q
+    assert np.array_equal(stored["topk:scale"].numpy(), scales)
     back, out = codec.decode(data)
     assert (back.codec, back.block_size, back.topk) == ("topk", chunk, k)
     assert out["w"].dtype == torch.float32 and tuple(out["w"].shape) == shape
@@ -83,7 +83,7 @@ def test_ties_zeros_and_few_nonzeros_follow_the_reference():
         data = codec.encode({"w": x}, header(), codec="topk", block_size=chunk, topk=k)
         stored = safetensors.torch.load(data)
         idx, q, scales, dense = ref_encode(x.numpy(), chunk, k)
-        assert bytes(stored["w:idx"].numpy()) == idx and bytes(stored["w:q"].numpy()) == q
+        assert bytes(stored["topk:idx"].numpy()) == idx and bytes(stored["topk:q"].numpy()) == q
         assert np.array_equal(codec.decode(data)[1]["w"].numpy(), dense)
         assert np.array_equal(codec.sparsify(x, block_size=chunk, topk=k).numpy(), dense)
     zeros = codec.decode(codec.encode({"w": torch.zeros(5000)}, header(), codec="topk"))[1]["w"]
@@ -143,9 +143,9 @@ def forge(idx: list[int], codes: list[int], scales: list[float], numel: int, chu
     """A topk object with a correct checksum around an arbitrary payload."""
     width = max(1, (chunk - 1).bit_length())
     stored = {
-        "w:idx": torch.tensor(list(_pack(idx, width)), dtype=torch.uint8),
-        "w:q": torch.tensor(list(_pack(codes, 2)), dtype=torch.uint8),
-        "w:scale": torch.tensor(scales, dtype=torch.float32),
+        "topk:idx": torch.tensor(list(_pack(idx, width)), dtype=torch.uint8),
+        "topk:q": torch.tensor(list(_pack(codes, 2)), dtype=torch.uint8),
+        "topk:scale": torch.tensor(scales, dtype=torch.float32),
     }
     meta = {"ddiloco.format": "1", "kind": "delta", "run_id": "run-1", "learner": "", "clock": "{}",
             "codec": "topk", "extra": "{}", "shapes": json.dumps({"w": [numel]}),
@@ -205,3 +205,34 @@ def test_what_was_sent_encodes_to_itself():
     assert torch.equal(codec.sparsify(sent, block_size=512, topk=40), sent)
     _, out = codec.decode(codec.encode({"w": sent}, header(), codec="topk", block_size=512, topk=40))
     assert torch.equal(out["w"], sent)
+
+
+def test_an_object_stores_three_packed_tensors_whatever_its_tensor_count():
+    """Each tensor's parts, concatenated in sorted name order ("a.b" sorts before "a:" but after
+    "a"): every tensor decodes to its own sparsify(), and the header holds three entries."""
+    tensors = {"b": randn((40, 33), 1), "a.b": randn(5000, 2), "a": randn(7, 3), "e": torch.zeros(0),
+               "z": randn((3, 2, 100), 4)}  # fmt: skip
+    data = codec.encode(tensors, header(), codec="topk", block_size=64, topk=5)
+    assert sorted(safetensors.torch.load(data)) == ["topk:idx", "topk:q", "topk:scale"]
+    _, out = codec.decode(data)
+    for name, x in tensors.items():
+        assert torch.equal(out[name], codec.sparsify(x, block_size=64, topk=5)), name
+    empty = codec.encode({}, header(), codec="topk")
+    assert codec.decode(empty)[1] == {}
+
+
+def test_packed_parts_of_the_wrong_size_and_the_old_per_tensor_layout_are_refused():
+    good = {"topk:idx": torch.tensor(list(_pack([1, 3, 0, 2], 2)), dtype=torch.uint8),
+            "topk:q": torch.tensor(list(_pack([1, 3, 0, 1], 2)), dtype=torch.uint8),
+            "topk:scale": torch.tensor([2.0, 0.5])}  # fmt: skip
+
+    def object_with(stored):
+        data = forge([1, 3, 0, 2], [1, 3, 0, 1], [2.0, 0.5], 8, 4, 2)
+        meta = json.loads(data[8 : 8 + struct.unpack_from("<Q", data)[0]])["__metadata__"]
+        return serialize(stored, {**meta, "checksum": codec.checksum_of(stored)})
+
+    assert codec.decode(object_with(good))[1]["w"].tolist() == [0, 2, 0, -2, 0, 0, 0.5, 0]
+    longer = {**good, "topk:scale": torch.tensor([2.0, 0.5, 1.0])}
+    old = {"w:idx": good["topk:idx"], "w:q": good["topk:q"], "w:scale": good["topk:scale"]}
+    for bad in (longer, old, {k: v for k, v in good.items() if k != "topk:q"}):
+        assert reason_of(object_with(bad)) == "codec"
