@@ -9,7 +9,7 @@ import math
 import pytest
 
 from ddiloco_geo.cli.main import main
-from ddiloco_geo.tools.bench.convergence import token_efficiency
+from ddiloco_geo.tools.bench.convergence import dp_equivalent, token_efficiency
 
 DP = [(1_000, 3.0), (2_000, 2.5), (4_000, 2.0)]  # data-parallel reaches 2.0 at 4,000 tokens
 
@@ -32,6 +32,16 @@ def test_efficiency_extrapolates_and_flags_when_the_arm_never_gets_there():
     assert token_efficiency(DP, [(4_000, 2.0)])[0] is None  # one point: no curve
 
 
+@pytest.mark.unit
+def test_dp_equivalent_reads_the_arms_final_loss_on_data_parallels_curve():
+    arm = [(2_000, 3.2), (4_000, 2.5)]  # data-parallel reached 2.5 at 2,000 tokens: half the arm's
+    assert dp_equivalent(DP, arm) == (pytest.approx(0.5), False)
+    eq, extrapolated = dp_equivalent(DP, [(4_000, 2.75)])  # halfway (log tokens) from 1k to 2k
+    assert not extrapolated and eq == pytest.approx(math.sqrt(2) * 1_000 / 4_000)
+    assert dp_equivalent(DP, [(4_000, 3.5)]) == (pytest.approx(0.25), True)  # worse than dp at its first point: a bound
+    assert dp_equivalent(DP[:1], arm) == (None, False)  # one data-parallel point: no curve
+
+
 @pytest.mark.slow
 def test_a_tiny_study_runs_every_kind_of_arm_and_writes_table_and_plot(tmp_path):
     out = tmp_path / "conv"
@@ -47,7 +57,7 @@ def test_a_tiny_study_runs_every_kind_of_arm_and_writes_table_and_plot(tmp_path)
         assert r["dp_eval_loss"] == min(dp[(h, 1.0)], dp[(h, 1.5)])  # the tuned baseline
         assert r["loss_ratio"] == pytest.approx(r["eval_loss"] / r["dp_eval_loss"])
         if h == 1.0:
-            assert "token_efficiency" in r
+            assert "token_efficiency" in r and "dp_equivalent" in r
     assert rows[("adopt", 1.0)]["tokens"] == rows[("lockstep", 1.0)]["tokens"]  # same tokens per arm
     assert rows[("faults", 1.0)]["discarded_ratio"] >= 0
     assert (out / "convergence.png").stat().st_size > 10_000

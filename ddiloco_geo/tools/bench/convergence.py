@@ -17,7 +17,9 @@ length, and the final model is evaluated on the same held-out batches:
 Reported per (M, arm, h): eval loss, the ratio to data-parallel at the same tokens, and at the
 largest horizon the **token efficiency**: data-parallel's tokens over the tokens the arm needs to
 reach data-parallel's final loss (interpolated on the arm's losses over the horizons in log
-tokens; extrapolated from the last two horizons, and flagged, when the arm never gets there).
+tokens; extrapolated from the last two horizons, and flagged, when the arm never gets there), and
+``dp_equivalent``, the same ratio at the arm's final loss: data-parallel's tokens to get as far (on
+data-parallel's curve) over the arm's tokens.
 Settings common to every arm come from ``--set``; each arm's own settings are in ``ARMS``.
 Runs go to ``--jobs`` worker processes (one torch thread each); progress lines on stderr; a PNG
 of eval loss against tokens per M.
@@ -163,6 +165,20 @@ def token_efficiency(dp: list[tuple[int, float]], arm: list[tuple[int, float]]) 
     return t_dp / math.exp(x), True
 
 
+def dp_equivalent(dp: list[tuple[int, float]], arm: list[tuple[int, float]]) -> tuple[float | None, bool]:
+    """The same ratio as ``token_efficiency`` (data-parallel's tokens over the arm's at equal loss),
+    taken at the arm's final loss on data-parallel's curve: the share of the arm's tokens that
+    data-parallel needs to get as far; (value, extrapolated). Where the arm ends above data-parallel's
+    final loss this interpolates between data-parallel's horizons (cheap runs) instead of
+    extrapolating the arm's curve. Flagged when the arm's loss is outside data-parallel's curve: above
+    its first point (the value is then an upper bound, its smallest horizon over the arm's tokens) or
+    below its last (extrapolated). None without two data-parallel horizons."""
+    if len(dp) < 2 or not arm:
+        return None, False
+    inverse, extrapolated = token_efficiency([arm[-1]], dp)
+    return (1.0 / inverse if inverse else None), extrapolated
+
+
 def run(args: argparse.Namespace) -> int:
     Ms = [int(m) for m in args.learners.split(",")]
     horizons = sorted(float(h) for h in args.horizons.split(","))
@@ -231,17 +247,20 @@ def summarize(results: list[dict[str, Any]], Ms: list[int], horizons: list[float
             curve = [(r["tokens"], r["eval_loss"]) for r in rows]
             curves[f"M={M} {a}"] = curve
             eff, extrapolated = token_efficiency(dp_curve, curve)
+            equivalent, eq_extrapolated = dp_equivalent(dp_curve, curve)
             for r in rows:
                 dp_loss = dp_best[r["h"]]["eval_loss"]
                 row = {**{k: v for k, v in r.items() if k != "wall_s"}, "dp_eval_loss": dp_loss,
                        "dp_lr_scale": dp_best[r["h"]]["lr_scale"], "loss_ratio": r["eval_loss"] / dp_loss,
                        "wall_s": r["wall_s"]}
                 if r["h"] == max(horizons):
-                    row.update({"token_efficiency": eff, "efficiency_extrapolated": extrapolated})
+                    row.update({"token_efficiency": eff, "efficiency_extrapolated": extrapolated,
+                                "dp_equivalent": equivalent, "dp_equivalent_extrapolated": eq_extrapolated})
                 table.append(row)
     return {"parameters": params, "budget_tokens": budget, "horizons": horizons, "learners": Ms,
             "how": "each (M, arm, horizon) a separate run with its own schedule; ratio = arm / best data-parallel "
-                   "at the same tokens; token_efficiency = dp tokens / tokens the arm needs for dp's final loss",
+                   "at the same tokens; token_efficiency = dp tokens / tokens the arm needs for dp's final loss; "
+                   "dp_equivalent = tokens dp needs for the arm's final loss / the arm's tokens",
             "table": table, "curves": curves, "dp_runs": [r for r in results if r["arm"].startswith("dp@")]}
 
 
