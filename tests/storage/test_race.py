@@ -127,25 +127,14 @@ def test_moto_conditional_writes_are_atomic_even_when_the_server_is_slow(make_st
 
     store = make_store("moto")
     store.cas("HEAD", b"start", None)
-    _, token = store.read_token("HEAD")
     real_put = S3Backend.put_object
 
     def slow_put(self, *args, **kwargs):
-        time.sleep(0.3)
+        time.sleep(0.2)
         return real_put(self, *args, **kwargs)
 
     monkeypatch.setattr(S3Backend, "put_object", slow_put)
-    barrier = threading.Barrier(4)
-
-    def writer(i: int) -> bool:
-        barrier.wait()
-        try:
-            store.cas("HEAD", f"w{i}".encode(), token)
-            return True
-        except PreconditionFailedError:
-            return False
-
-    with ThreadPoolExecutor(4) as pool:
-        wins = list(pool.map(writer, range(4)))
-    assert wins.count(True) == 1, wins
-    assert store.get("HEAD") == f"w{wins.index(True)}".encode()
+    with ThreadPoolExecutor(NUM_WRITERS) as pool:
+        winners = _cas_round(store, "HEAD", 0, pool)
+    assert len(winners) == 1, winners
+    assert store.get("HEAD") == f"r0-w{winners[0]}".encode()
