@@ -4,7 +4,8 @@ Each poll lists every learner's delta prefix after that learner's cursor (one li
 learner, ``start_after``), fetches new deltas with bounded concurrency and a bounded ranged read
 (an honest delta is at most its fragment in fp32 plus a header), decodes them defensively and
 validates them. A delta that fails any check is **rejected**: one log line, a counter, and a
-create-only record under ``syncer/rejected/`` signed by the syncer (reasons: the codec's, plus
+create-only record under ``syncer/rejected/`` signed by the syncer (written again at each poll
+until the store takes it, when storage trouble outlasts the store's retries; reasons: the codec's, plus
 ``wrong_learner``, ``wrong_fragment``, ``wrong_seq``, ``clock_backwards``, ``replay``, ``stale``,
 ``future_base``, ``no_steps``, ``norm``, ``rate_limit``, ``seq_ahead``, ``unknown_base``).
 
@@ -104,6 +105,7 @@ class Intake:
         self.high_seq: dict[str, int] = {}  # learner -> highest provable sequence number seen
         self.junk: dict[str, OrderedDict] = defaultdict(OrderedDict)  # learner -> junk keys (bounded)
         self.bad_keys: OrderedDict = OrderedDict()  # odd learner prefixes already reported
+        self.unwritten: OrderedDict = OrderedDict()  # rejection record key -> body whose write failed
         self._advance: dict[str, str] = {}  # this poll: learner -> highest provable key
         self._blocked: dict[str, str] = {}  # this poll: learner -> lowest key whose fetch failed
 
@@ -120,6 +122,7 @@ class Intake:
         """List and fetch new deltas; returns how many new delta keys were seen."""
         learners, bad_prefixes = await asyncio.to_thread(protocol.learner_ids, self.store)
         await asyncio.to_thread(self._refresh_quarantine)
+        await asyncio.to_thread(self._write_records, list(self.unwritten.items()))
         for prefix in bad_prefixes:
             if prefix not in self.bad_keys:
                 self._remember(self.bad_keys, prefix, MAX_BAD_PREFIXES)
@@ -313,11 +316,23 @@ class Intake:
     def _record(self, key: str, dk: layout.DeltaKey, reason: str, detail: str, provable: bool) -> None:
         record = {"key": key, "learner": dk.learner, "seq": dk.seq, "fragment": dk.fragment, "reason": reason,
                   "detail": detail[:500], "at": time.time(), "provable": provable}
-        try:
-            self.store.put_if_absent(layout.rejected_key(dk.learner, dk.seq, dk.fragment),
-                                     json.dumps(sign_record(record, self.signer)).encode())
-        except StorageError as exc:
-            log.warning("reject_record_failed key=%r error=%s", key, exc)
+        self._write_records([(layout.rejected_key(dk.learner, dk.seq, dk.fragment),
+                              json.dumps(sign_record(record, self.signer)).encode())])
+
+    def _write_records(self, records: list[tuple[str, bytes]]) -> None:
+        """Write rejection records (create-only); one whose write fails (storage trouble after the
+        store's retries) is kept and written again at the start of each poll, so a rejection is
+        never left without its record (at most MAX_JUNK_KEYS wait; the oldest is dropped, logged)."""
+        for record_key, body in records:
+            try:
+                self.store.put_if_absent(record_key, body)
+                self.unwritten.pop(record_key, None)
+            except StorageError as exc:
+                log.warning("reject_record_failed key=%r error=%s action=retry_next_poll", record_key, exc)
+                self.unwritten[record_key] = body
+        while len(self.unwritten) > MAX_JUNK_KEYS:
+            dropped, _ = self.unwritten.popitem(last=False)
+            log.error("reject_record_dropped key=%r reason=too_many_unwritten", dropped)
 
     def record_junk(self, key: str, dk: layout.DeltaKey, reason: str, detail: str) -> None:
         """Something in a learner's prefix that the learner provably did not send: recorded once,

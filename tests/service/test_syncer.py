@@ -184,6 +184,33 @@ def test_increments_all_contribute_and_are_applied_as_progress(tiny_run):
         torch.testing.assert_close(v2[n], v1[n] + 0.25, rtol=1e-5, atol=1e-6)
 
 
+def test_a_rejection_record_whose_write_fails_is_written_at_a_later_poll(tiny_run, monkeypatch):
+    """Storage trouble while recording a rejection (after the store's own retries) must not leave
+    the rejected object without its record: the syncer keeps the record and writes it next poll."""
+    from ddiloco_geo.core.errors import TransientStorageError
+
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})
+    syncer = run.syncer()
+    key = run.write_delta("evil", 1, raw=b"junk that is not an object")
+    real_put, failures = run.store.put_if_absent, []
+
+    def flaky_put(k, data):
+        if k.startswith("syncer/rejected/") and not failures:
+            failures.append(k)
+            raise TransientStorageError(f"injected: {k}")
+        return real_put(k, data)
+
+    monkeypatch.setattr(run.store, "put_if_absent", flaky_put)
+    poll(syncer)
+    record_key = layout.rejected_key("evil", 0, 1)
+    assert failures == [record_key] and run.store.list("syncer/rejected/") == []
+    assert syncer.counters["rejected_by_reason"] == {"too_large": 1}
+    poll(syncer)  # the object is not fetched again (remembered as junk); its record is written now
+    assert json.loads(run.store.get(record_key))["key"] == key
+    assert syncer.counters["rejected_by_reason"] == {"too_large": 1}  # counted once
+    assert protocol.ledger(run.store)["deltas_unaccounted"] == 0
+
+
 @pytest.mark.parametrize("case, reason", [
     ("garbage", "bad_header"),
     ("truncated", "truncated"),
