@@ -43,7 +43,7 @@ from ddiloco_geo.core.signing import SIGNATURE_FIELD, SIGNER_FIELD, Signer, Veri
 
 # The topk codec stores three tensors per object, whatever the number of tensors: each tensor's
 # parts (``sparse``: indices, codes, scales) concatenated in sorted name order. A safetensors entry
-# per part and tensor made the header about twice the payload of a small fragment's delta.
+# per part and tensor made the header larger than the payload of a small fragment's delta.
 TOPK_KEYS = ("topk:idx", "topk:q", "topk:scale")
 
 # --- encode --------------------------------------------------------------------------------------
