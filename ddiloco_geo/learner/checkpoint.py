@@ -95,7 +95,9 @@ def residuals_of(tensors: dict[str, torch.Tensor], plan) -> dict[int, dict[str, 
               and all(tuple(r[n].shape) == tuple(plan.shapes[n]) for n in r)}
     dropped = sum(k.startswith(CKPT_RESIDUAL) for k in tensors) - sum(len(r) for r in usable.values())
     if dropped:
-        log.warning("checkpoint_residuals_dropped tensors=%d reason=not_in_this_plan", dropped)
+        log.warning("checkpoint_residuals_dropped tensors=%d reason=not_in_this_plan action=none "
+                    "(the learner starts those fragments with an empty residual; only their unsent "
+                    "top-k remainder is lost)", dropped)
     return usable
 
 

@@ -122,7 +122,8 @@ class Intake:
         """List and fetch new deltas; returns how many new delta keys were seen."""
         learners, bad_prefixes = await asyncio.to_thread(protocol.learner_ids, self.store)
         await asyncio.to_thread(self._refresh_quarantine)
-        await asyncio.to_thread(self._write_records, list(self.unwritten.items()))
+        if self.unwritten:
+            await asyncio.to_thread(self._write_records, list(self.unwritten.items()))
         for prefix in bad_prefixes:
             if prefix not in self.bad_keys:
                 self._remember(self.bad_keys, prefix, MAX_BAD_PREFIXES)
