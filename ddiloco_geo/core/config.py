@@ -165,6 +165,10 @@ class SyncerConfig(Section):
     merge_spacing: float = Field(1.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
     robust: Literal["none", "trimmed_mean", "median"] = Field("none", description="for untrusted learners: a coordinate-wise robust average instead of token-weighted RDA")
     trim_ratio: float = Field(0.25, ge=0, lt=0.5, description="share of values dropped at each end per coordinate by robust='trimmed_mean'")
+    sparse_average: Literal["dense", "per_index"] = Field(
+        "dense", description="how deltas are averaged when robust='none': 'dense' (token-weighted RDA, the mean for "
+        "embeddings); 'per_index': each coordinate over the learners that sent a non-zero value there, token-weighted "
+        "(SparseLoCo's aggregation, for run.codec=topk; recorded in each merge record)")
     clip_ratio: float | None = Field(4.0, gt=1, description="merge guard: a contributor whose per-step norm exceeds "
                                      "this multiple of the fragment's reference is scaled down to it (recorded as 'clip' "
                                      "in the merge record, counted in status); None turns the guard off")

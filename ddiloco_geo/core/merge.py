@@ -19,6 +19,15 @@ Decoupled DiLoCo (arXiv 2604.21428), sections 4.6 and 4.7 of PAPER-NOTES.md. Pur
 4. **Embeddings** (names matched by ``is_embedding``, e.g. ``wte``/``wpe``/``lm_head``) use the
    weighted mean: their pseudo-gradients are not near-orthogonal (the paper's primary setup).
 
+5. **Sparse deltas** (``sparse="per_index"``, for the ``topk`` codec): each coordinate is the
+   token-weighted mean over the contributors that sent it (a non-zero value there), 0 where none
+   did; SparseLoCo's aggregation (arXiv 2508.15706). A dense mean of top-k deltas (or RDA, which
+   keeps the mean norm) divides a value kept by one learner of M by about M even though the
+   others' values for it are still in their residuals; per-index averaging moves each sent
+   coordinate by what its senders agree on. It treats a value quantized to exactly 0 as not
+   sent, which top-k's ternary values never are (a kept value is +-scale) but int4's can be, so
+   it is meant for sparse codecs only.
+
 Degenerate direction: when the mean direction's norm falls below ``DEGENERATE_RATIO`` times the
 weighted share of non-zero contributors (e.g. ``v`` and ``-v`` with equal weights), its
 direction is numerically meaningless and RDA falls back to the weighted mean.
@@ -200,6 +209,26 @@ def rda(vectors: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 
     return _merge([[_as_fp32(v)] for v in vectors], ws, [False], reuse=False, eps=eps)[0]
 
 
+SPARSE_MODES = ("dense", "per_index")
+
+
+def per_index_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Per coordinate, ``sum w v / sum of w over the contributors whose v is non-zero there`` (0
+    where every v is 0), as a new float32 tensor; see the module docstring (5). Contributors are
+    added in order, so the result is reproducible bit for bit."""
+    ws = _check_weights(weights, len(vectors))
+    _check_shapes(vectors)
+    total = sum(ws)
+    num = torch.zeros(vectors[0].shape, dtype=torch.float32)
+    den = torch.zeros_like(num)
+    for v, w in zip(vectors, ws):
+        if w > 0:
+            x = _as_fp32(v)
+            num.add_(x, alpha=w / total)
+            den.add_((x != 0).to(torch.float32), alpha=w / total)
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+
 ROBUST_MODES = ("none", "trimmed_mean", "median")
 
 
@@ -226,10 +255,12 @@ def merge_fragment(
     robust: str = "none",
     trim_ratio: float = 0.25,
     *,
+    sparse: str = "dense",
     reuse_buffer: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One merged pseudo-gradient per tensor: RDA, or the weighted mean for embeddings; with
-    ``robust`` set, a coordinate-wise robust average for every tensor instead.
+    ``robust`` set, a coordinate-wise robust average for every tensor instead; otherwise with
+    ``sparse="per_index"``, :func:`per_index_mean` for every tensor.
 
     With ``reuse_buffer`` the results are views of this thread's merge buffer, valid until the next
     merge on this thread (the outer step consumes them at once); otherwise they are new tensors."""
@@ -246,6 +277,10 @@ def merge_fragment(
             raise ValueError(f"{name}: {exc}") from None
     if robust != "none":
         return {name: robust_mean([col[t] for col in columns], robust, trim_ratio) for t, name in enumerate(names)}
+    if sparse == "per_index":
+        return {name: per_index_mean([col[t] for col in columns], ws) for t, name in enumerate(names)}
+    if sparse != "dense":
+        raise ValueError(f"sparse mode {sparse!r}: expected one of {SPARSE_MODES}")
     merged = _merge(columns, ws, [bool(is_embedding(n)) for n in names], reuse=reuse_buffer)
     return dict(zip(names, merged))
 

@@ -132,11 +132,12 @@ class OuterOptimizer:
 def merge_and_step(params: dict[str, torch.Tensor], outer: OuterOptimizer, anchored: list[dict[str, torch.Tensor]],
                    weights: list[float], is_embedding: Callable[[str], bool],
                    outer_kwargs: dict[str, Any], robust: str = "none",
-                   trim_ratio: float = 0.25) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
-    """Token-weighted RDA (mean for embeddings), or a robust average; then one outer Nesterov step
+                   trim_ratio: float = 0.25, sparse: str = "dense") -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
+    """Token-weighted RDA (mean for embeddings), a robust average, or the per-index mean of sparse
+    deltas (:func:`ddiloco_geo.core.merge.merge_fragment`); then one outer Nesterov step
     on a copy of ``outer`` (with ``outer_kwargs``' hyperparameters, ``outer``'s momentum and step
     count). The merged pseudo-gradient lives in the merge's reused buffer and is consumed there."""
     delta = merge.merge_fragment(anchored, weights, is_embedding, robust=robust, trim_ratio=trim_ratio,
-                                 reuse_buffer=True)
+                                 sparse=sparse, reuse_buffer=True)
     stepped = outer.copy(**outer_kwargs)
     return stepped.step(params, delta, consume=True), stepped

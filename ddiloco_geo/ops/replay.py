@@ -262,7 +262,8 @@ class Replayer:
         outer = OuterOptimizer(**okw)
         outer.load_state_dict(outer_state_from_wire(state.momentum, state.header))
         new_params, stepped = merge_and_step(params, outer, anchored, weights, self.is_embedding, okw,
-                                             rec.get("robust", "none"), rec.get("trim_ratio", 0.25))
+                                             rec.get("robust", "none"), rec.get("trim_ratio", 0.25),
+                                             rec.get("sparse_average", "dense"))
 
         momentum = {k: t for k, t in stepped.state_dict().items() if k.startswith(MOMENTUM_PREFIX)}
         common = {"momentum": momentum, "num_steps": stepped.num_steps,

@@ -140,14 +140,16 @@ class Merge:
 
 def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: dict[int, dict[str, torch.Tensor]],
                 *, is_embedding: Callable[[str], bool], outer_kwargs: dict[str, Any], robust: str,
-                trim_ratio: float, anchoring: str = "current", clip_ratio: float | None = None) -> Merge | None:
+                trim_ratio: float, sparse: str = "dense", anchoring: str = "current",
+                clip_ratio: float | None = None) -> Merge | None:
     """Anchor, weigh, merge and step; None when no contributor carries weight.
 
     ``bases`` maps each contributor's base version to that global's parameters. ``anchoring``:
     ``current`` (the paper's: Δ_m = Θ_current − θ_m, a stale learner pulls the global toward its
     model) or ``base`` (Δ_m = pseudo_grad_m: a stale learner's progress is applied as it is, without
     pulling back what others merged since its base). ``clip_ratio``: the merge guard, see
-    :func:`clip_factor`; a clipped contributor's entry records the factor (``clip``).
+    :func:`clip_factor`; a clipped contributor's entry records the factor (``clip``). ``sparse``:
+    ``dense`` or ``per_index`` (:func:`ddiloco_geo.core.merge.per_index_mean`, for top-k deltas).
     """
     anchored, weights, entries = [], [], []
     for d in contributors:
@@ -164,7 +166,7 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     if not anchored or sum(weights) <= 0:
         return None
     params, outer = merge_and_step(state.params, state.outer, anchored, weights, is_embedding,
-                                   outer_kwargs, robust, trim_ratio)
+                                   outer_kwargs, robust, trim_ratio, sparse)
     clock = state.clock
     for d in contributors:
         clock = clock.merge(d.header.clock)

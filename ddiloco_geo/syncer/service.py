@@ -86,6 +86,7 @@ class Syncer:
         max_deltas_per_min: int = 1200,
         robust: str = "none",
         trim_ratio: float = 0.25,
+        sparse_average: str = "dense",
         anchoring: str = "current",
         clip_ratio: float | None = 4.0,
         quarantine_after: int = 20,
@@ -104,6 +105,7 @@ class Syncer:
         self.is_embedding = is_embedding
         self.update_codec = update_codec
         self.robust, self.trim_ratio, self.anchoring, self.clip_ratio = robust, trim_ratio, anchoring, clip_ratio
+        self.sparse_average = sparse_average
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.now = now
         self.owned = [p for p in range(self.plan.num_fragments) if p % self.num_shards == self.shard_index]
@@ -241,7 +243,7 @@ class Syncer:
             consumed[d.learner] = max(d.seq, consumed.get(d.learner, -1))
         merged = build_merge(state, contributors, bases, is_embedding=self.is_embedding,
                              outer_kwargs=self.outer_kwargs, robust=self.robust, trim_ratio=self.trim_ratio,
-                             anchoring=self.anchoring, clip_ratio=self.clip_ratio)
+                             sparse=self.sparse_average, anchoring=self.anchoring, clip_ratio=self.clip_ratio)
         if merged is None:
             state.pending.clear()
             state.consumed = consumed
@@ -254,6 +256,7 @@ class Syncer:
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
             "outer": self.outer_kwargs, "update_codec": self.update_codec,
             "robust": self.robust, "trim_ratio": self.trim_ratio, "anchoring": self.anchoring,
+            "sparse_average": self.sparse_average,
             "clipped": sum(1 for e in entries if "clip" in e),
         }
         won = self._publish(state, merged.params, merged.outer, record, consumed, merged.clock)

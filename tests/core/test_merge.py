@@ -217,3 +217,32 @@ def test_anchor_on_the_current_version_is_the_pseudo_grad_itself():
     stale = anchor(current, base, pg)
     for n in pg:
         assert torch.equal(stale[n], (current[n] - base[n]) + pg[n])
+
+
+def test_per_index_mean_averages_each_coordinate_over_its_senders():
+    a = torch.tensor([1.0, 0.0, 2.0, 0.0, 5.0])
+    b = torch.tensor([3.0, 0.0, 0.0, 0.0, -1.0])
+    c = torch.tensor([0.0, 0.0, 0.0, -4.0, 0.0])
+    out = merge.per_index_mean([a, b, c], [1.0, 3.0, 2.0])
+    # (1*1 + 3*3) / 4; nobody; a alone; c alone; (1*5 + 3*-1) / 4
+    assert torch.allclose(out, torch.tensor([2.5, 0.0, 2.0, -4.0, 0.5]))
+    # the dense mean divides a value one learner sent by everyone's weight: what per_index avoids
+    assert merge.weighted_mean([a, b, c], [1.0, 3.0, 2.0])[3] == pytest.approx(-4.0 * 2 / 6)
+    # a contributor without weight neither adds values nor counts as a sender
+    assert torch.equal(merge.per_index_mean([a, b * 100], [1.0, 0.0]), a)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+
+
+def test_merge_fragment_per_index_applies_to_every_tensor_and_robust_takes_precedence():
+    frags = [{"wte.weight": torch.tensor([2.0, 0.0]), "h.w": torch.tensor([0.0, 6.0])},
+             {"wte.weight": torch.tensor([0.0, 4.0]), "h.w": torch.tensor([2.0, 0.0])}]
+    emb = lambda n: n.startswith("wte")  # noqa: E731
+    merged = merge_fragment(frags, [1.0, 1.0], emb, sparse="per_index")
+    assert torch.equal(merged["wte.weight"], torch.tensor([2.0, 4.0]))
+    assert torch.equal(merged["h.w"], torch.tensor([2.0, 6.0]))
+    dense = merge_fragment(frags, [1.0, 1.0], emb)
+    assert torch.equal(dense["wte.weight"], torch.tensor([1.0, 2.0]))  # the weighted mean, with zeros
+    robust = merge_fragment(frags, [1.0, 1.0], emb, robust="median", sparse="per_index")
+    assert torch.equal(robust["h.w"], merge.robust_mean([frags[0]["h.w"], frags[1]["h.w"]], "median"))
+    with pytest.raises(ValueError, match="sparse mode"):
+        merge_fragment(frags, [1.0, 1.0], emb, sparse="sum")

@@ -237,3 +237,14 @@ def test_a_forged_global_the_syncer_set_aside_is_not_a_gap(history):
     d = replay(run.store, run.spec, outer_kwargs=OUTER, verifier=signing.run_verifier(SECRET),
                require_signatures=True)["first_divergence"]
     assert d["fragment"] == 0 and d["version"] == forged_v and d["what"] == "missing", d
+
+
+def test_replay_reproduces_per_index_merges_of_topk_deltas(tiny_run):
+    run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.quorum": 2, "syncer.sparse_average": "per_index"})
+    syncer = run.syncer()
+    merge_rounds(run, syncer, 3, codec_name="topk")
+    rec = protocol.read_header(run.store, layout.global_key(0, 2)).extra
+    assert rec["sparse_average"] == "per_index" and len(rec["merged"]) >= 2
+    # replay must merge the way the record says: the dense average of these deltas differs
+    result = replay(run.store, run.spec, outer_kwargs=OUTER)
+    assert result["ok"] and result["bitwise"], result["first_divergence"]
