@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ddiloco_geo.core.errors import ConfigError
@@ -165,10 +165,11 @@ class SyncerConfig(Section):
     merge_spacing: float = Field(1.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
     robust: Literal["none", "trimmed_mean", "median"] = Field("none", description="for untrusted learners: a coordinate-wise robust average instead of token-weighted RDA")
     trim_ratio: float = Field(0.25, ge=0, lt=0.5, description="share of values dropped at each end per coordinate by robust='trimmed_mean'")
-    sparse_average: Literal["dense", "per_index"] = Field(
-        "dense", description="how deltas are averaged when robust='none': 'dense' (token-weighted RDA, the mean for "
+    sparse_average: Literal["auto", "dense", "per_index"] = Field(
+        "auto", description="how deltas are averaged when robust='none': 'dense' (token-weighted RDA, the mean for "
         "embeddings); 'per_index': each coordinate over the learners that sent a non-zero value there, token-weighted "
-        "(SparseLoCo's aggregation, for run.codec=topk; recorded in each merge record)")
+        "(SparseLoCo's aggregation, for sparse deltas); 'auto': per_index in a run.codec=topk run, dense otherwise. "
+        "Recorded in each merge record")
     clip_ratio: float | None = Field(4.0, gt=1, description="merge guard: a contributor whose per-step norm exceeds "
                                      "this multiple of the fragment's reference is scaled down to it (recorded as 'clip' "
                                      "in the merge record, counted in status); None turns the guard off")
@@ -203,7 +204,17 @@ class RunConfig(Section):
     and checked against it when a learner joins (a mismatch is an error, never silently ignored)."""
 
     codec: Codec = Field("int4", description="wire codec of learners' deltas")
-    quant_block: int = Field(128, ge=8, description="quantization block of the wire codecs (values per scale)")
+    quant_block: int = Field(128, ge=8, description="quantization block of the int8/int4 codecs (values per scale)")
+    topk_chunk: int = Field(4096, ge=2, le=4096, description="topk codec (deltas, and update objects with "
+                            "syncer.update_codec=topk): values per chunk; each kept index takes bit_length(chunk - 1) bits")
+    topk_keep: int = Field(64, ge=1, description="topk codec: values kept per chunk (64 of 4096 = 1.56%: about 0.23 "
+                           "bits per value on the wire, 1/141 of fp32)")
+
+    @model_validator(mode="after")
+    def _topk(self) -> "RunConfig":
+        if self.topk_keep > self.topk_chunk:
+            raise ValueError(f"run.topk_keep={self.topk_keep} exceeds run.topk_chunk={self.topk_chunk}")
+        return self
 
 
 class FragmentConfig(Section):

@@ -151,7 +151,7 @@ class Learner:
                                          compile=self.cfg.compile)
         if self.rank == 0:
             self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
-                                     codec_name=self.spec.codec, block_size=self.spec.quant_block,
+                                     codec_name=self.spec.codec, **self.spec.codec_args(self.spec.codec),
                                      first_seq=protocol.next_delta_seq(self.store, self.learner_id, self.own_verifier),
                                      inline=self.inline_io, metrics=self.metrics, signer=self.signer)
             self.uploader.load_residuals(self.resumed_residual)

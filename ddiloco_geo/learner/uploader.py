@@ -64,13 +64,13 @@ class Uploader:
     """Bounded background uploader: encodes and writes deltas create-only, in order."""
 
     def __init__(self, store: Store, spec: protocol.RunSpec, learner: str, *, maxsize: int,
-                 codec_name: str, block_size: int, first_seq: int, inline: bool = False,
+                 codec_name: str, block_size: int, first_seq: int, topk: int = 0, inline: bool = False,
                  metrics: LearnerMetrics | None = None, signer: Any = None) -> None:
         self.signer = signer
         self.store, self.spec, self.learner = store, spec, learner
         self.inline = inline
         self.metrics = metrics or learner_metrics(Registry())
-        self.maxsize, self.codec_name, self.block_size = maxsize, codec_name, block_size
+        self.maxsize, self.codec_name, self.block_size, self.topk = maxsize, codec_name, block_size, topk
         self.next_seq = first_seq
         self.queue: collections.deque[Outgoing] = collections.deque()
         self.cond = threading.Condition()
@@ -187,7 +187,7 @@ class Uploader:
                 extra={"step": item.step, "step_s": item.step_s, **({"increment": True} if item.increment else {})},
             )
             data = codec.encode(payload, header, codec=self.codec_name, block_size=self.block_size,
-                                signer=self.signer)
+                                topk=self.topk, signer=self.signer)
             key = layout.delta_key(self.learner, seq, item.fragment)
             if self.store.put_if_absent(key, data):
                 break

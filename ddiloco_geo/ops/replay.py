@@ -277,23 +277,23 @@ class Replayer:
         if stored_update is not None:  # the update object says which codec made the published params
             upd_header, upd_tensors = self._read(p, v, f"update {update_key}", lambda: codec.decode(
                 stored_update, kind="update", run_id=self.spec.run_id, expect=expect))
-            candidates = [(upd_header.codec, upd_header.block_size)]
+            candidates = [(upd_header.codec, {"block_size": upd_header.block_size, "topk": upd_header.topk})]
         elif rec.get("update_codec"):
-            upd_tensors, candidates = None, [(rec["update_codec"], self.spec.block_size)]
+            upd_tensors, candidates = None, [(rec["update_codec"], self.spec.codec_args(rec["update_codec"]))]
         else:
             # no update object: either the syncer ran with update_codec 'none', or it crashed between
             # writing the global and the update; try 'none', then the configured codec (each bitwise)
-            upd_tensors, candidates = None, [("none", 0)]
+            upd_tensors, candidates = None, [("none", {})]
             if self.update_codec not in (None, "none"):
-                candidates.append((self.update_codec, self.spec.block_size))
+                candidates.append((self.update_codec, self.spec.codec_args(self.update_codec)))
         options = []
-        for codec_name, block_size in candidates:
+        for codec_name, codec_args in candidates:
             if codec_name == "none":
                 options.append((new_params, {**common, "residual": state.residual, "update": None}))
                 continue
             uh = codec.Header(kind="update", run_id=self.spec.run_id, fragment=p, version=v, base_version=v - 1,
                               clock=header.clock)
-            wire, published, residual = compress_update(params, new_params, state.residual, uh, codec_name, block_size)
+            wire, published, residual = compress_update(params, new_params, state.residual, uh, codec_name, **codec_args)
             pair = None
             if upd_tensors is not None:
                 pair = (upd_tensors, codec.decode(wire, kind="update", run_id=self.spec.run_id)[1])

@@ -34,7 +34,7 @@ RESIDUAL = "residual."  # state-object prefix of the update codec's error-feedba
 
 
 def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], residual: dict[str, torch.Tensor],
-                    header: codec.Header, codec_name: str, block_size: int, signer: Any = None
+                    header: codec.Header, codec_name: str, block_size: int, signer: Any = None, topk: int = 0
                     ) -> tuple[bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Quantize a version's change for learners, with error feedback.
 
@@ -54,11 +54,11 @@ def compress_update(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
     if carried:
         torch._foreach_add_([change[i] for i in carried], [residual[names[i]] for i in carried])
     change_by_name = dict(zip(names, change))
-    sent_by_name = codec.roundtrip(change_by_name, codec_name, block_size=block_size, topk=header.topk)
+    sent_by_name = codec.roundtrip(change_by_name, codec_name, block_size=block_size, topk=topk)
     sent = [sent_by_name[n] for n in names]
     published = dict(zip(names, torch._foreach_add([old[n] for n in names], sent)))
     header.extra = {**header.extra, "global_checksum": codec.checksum_of(published)}
-    wire = codec.encode(change_by_name, header, codec=codec_name, block_size=block_size, signer=signer)
+    wire = codec.encode(change_by_name, header, codec=codec_name, block_size=block_size, topk=topk, signer=signer)
     torch._foreach_sub_(change, sent)  # what was not sent: the next update's residual
     return wire, published, change_by_name
 

@@ -35,16 +35,23 @@ class RunSpec:
     overlap: int
     codec: str
     quant_block: int
+    topk_chunk: int = 4096
+    topk_keep: int = 64
     layout_version: int = layout.LAYOUT_VERSION
 
-    @property
-    def block_size(self) -> int:  # TEMPORARY alias while ops/ and tools/ move to quant_block
-        return self.quant_block
+    def codec_args(self, codec_name: str) -> dict[str, int]:
+        """``block_size`` (and ``topk``) for encoding with ``codec_name`` in this run: the top-k chunk
+        and count for ``topk``, the quantization block for the others."""
+        if codec_name == "topk":
+            return {"block_size": self.topk_chunk, "topk": self.topk_keep}
+        return {"block_size": self.quant_block}
 
     def check_settings(self, run_cfg) -> None:
-        """A process's ``run`` settings must match the run it joins (never silently ignored)."""
-        mismatched = [f"run.{k}={getattr(run_cfg, k)!r} but the run uses {v!r}"
-                      for k, v in (("codec", self.codec), ("quant_block", self.quant_block)) if getattr(run_cfg, k) != v]
+        """A process's ``run`` settings must match the run it joins (never silently ignored); the
+        top-k settings only in a top-k run."""
+        keys = ("codec", "quant_block") + (("topk_chunk", "topk_keep") if self.codec == "topk" else ())
+        mismatched = [f"run.{k}={getattr(run_cfg, k)!r} but the run uses {getattr(self, k)!r}"
+                      for k in keys if getattr(run_cfg, k) != getattr(self, k)]
         if mismatched:
             raise ConfigError(f"this process's settings disagree with run {self.run_id} ({'; '.join(mismatched)}): "
                               "start it with the run's settings (see its run.json)")
@@ -61,6 +68,8 @@ class RunSpec:
                 "overlap": self.overlap,
                 "codec": self.codec,
                 "quant_block": self.quant_block,
+                "topk_chunk": self.topk_chunk,
+                "topk_keep": self.topk_keep,
             },
             sort_keys=True,
             indent=1,
@@ -76,12 +85,16 @@ class RunSpec:
                     f"{layout.LAYOUT_VERSION}: use a matching ddiloco-geo release"
                 )
             plan = FragmentPlan.from_json(json.dumps(d["plan"]))
+            quant_block = int(d["quant_block"] if "quant_block" in d else d["block_size"])  # layout-1 runs before 2026-12
             if plan.digest() != d["plan_digest"]:
                 raise ConfigError("run.json is inconsistent: its plan does not match its plan_digest")
             return cls(
                 run_id=d["run_id"], model=d["model"], plan=plan, sync_every=int(d["sync_every"]),
                 overlap=int(d["overlap"]), codec=d["codec"],
-                quant_block=int(d["quant_block"] if "quant_block" in d else d["block_size"]),  # layout-1 runs before 2026-12
+                quant_block=quant_block,
+                # runs before 2026-12-02 cut top-k chunks at the quantization block
+                topk_chunk=int(d.get("topk_chunk", quant_block)),
+                topk_keep=int(d.get("topk_keep", max(1, quant_block * 64 // 4096))),
             )
         except (KeyError, TypeError, ValueError, CodecError) as exc:
             raise ConfigError(f"run.json is malformed ({exc}); was it written by ddiloco-geo?") from None
@@ -130,5 +143,6 @@ def spec_from(*, run_id: str, model, fragments, run) -> tuple[RunSpec, dict[str,
     params = {n: t.detach().to(torch.float32) for n, t in net.named_parameters()}
     plan = plan_fragments(modelmod.param_shapes(net), fragments.num_fragments)
     spec = RunSpec(run_id=run_id, model=model.model_dump(), plan=plan, sync_every=fragments.sync_every,
-                   overlap=fragments.overlap, codec=run.codec, quant_block=run.quant_block)
+                   overlap=fragments.overlap, codec=run.codec, quant_block=run.quant_block,
+                   topk_chunk=run.topk_chunk, topk_keep=run.topk_keep)
     return spec, params

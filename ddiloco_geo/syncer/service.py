@@ -86,7 +86,7 @@ class Syncer:
         max_deltas_per_min: int = 1200,
         robust: str = "none",
         trim_ratio: float = 0.25,
-        sparse_average: str = "dense",
+        sparse_average: str = "auto",
         anchoring: str = "current",
         clip_ratio: float | None = 4.0,
         quarantine_after: int = 20,
@@ -105,7 +105,7 @@ class Syncer:
         self.is_embedding = is_embedding
         self.update_codec = update_codec
         self.robust, self.trim_ratio, self.anchoring, self.clip_ratio = robust, trim_ratio, anchoring, clip_ratio
-        self.sparse_average = sparse_average
+        self.sparse_average = ("per_index" if spec.codec == "topk" else "dense") if sparse_average == "auto" else sparse_average
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.now = now
         self.owned = [p for p in range(self.plan.num_fragments) if p % self.num_shards == self.shard_index]
@@ -256,8 +256,7 @@ class Syncer:
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
             "outer": self.outer_kwargs, "update_codec": self.update_codec,
             "robust": self.robust, "trim_ratio": self.trim_ratio, "anchoring": self.anchoring,
-            "sparse_average": self.sparse_average,
-            "clipped": sum(1 for e in entries if "clip" in e),
+            "sparse_average": self.sparse_average, "clipped": sum(1 for e in entries if "clip" in e),
         }
         won = self._publish(state, merged.params, merged.outer, record, consumed, merged.clock)
         if won:
@@ -315,7 +314,8 @@ class Syncer:
                                   base_version=state.version, clock=ticked,  # contributors' steps: learner.schedule=run
                                   extra={"steps": {e["learner"]: e["step"] for e in record["merged"] if e["step"] is not None}})
             update, published, residual = compress_update(state.params, params, state.residual, header,
-                                                          self.update_codec, self.spec.block_size, signer=self.signer)
+                                                          self.update_codec, signer=self.signer,
+                                                          **self.spec.codec_args(self.update_codec))
         tensors, outer_steps = outer_state_to_wire(outer)
         merged_base = merged_bases(state.merged_base, record["merged"]) if is_merge else state.merged_base
         tensors.update({RESIDUAL + n: t for n, t in residual.items()})
