@@ -1,7 +1,7 @@
 """``ddiloco-geo bench syncer``: syncer throughput per core against a plain fp32 add, and capacity.
 
-Each round writes M deltas (``--codec``, int4 by default; ``topk`` is merged as the dense tensor
-it decodes to: the merge has no sparse path yet) for every fragment of a model into a fresh
+Each round writes M deltas (``--codec``, int4 by default; ``topk`` in a top-k run, so merged per
+index: ``syncer.sparse_average=auto``) for every fragment of a model into a fresh
 memory:// store, then times the real syncer doing one round over all of them: list, fetch, decode
 and validate (``poll_once``: **intake**), then anchor, RDA merge, Nesterov step and publish
 (update object, global, state, tape, index: **merge**). The baseline is a plain fp32 sum of the M
@@ -79,7 +79,7 @@ class Round:
                 header = codec.Header(kind="delta", run_id=spec.run_id, fragment=p, learner=f"l{m}", seq=p,
                                       base_version=0, clock=VectorClock({f"l{m}": p + 1}), num_steps=24,
                                       num_tokens=24 * 1024)
-                data = codec.encode(pg, header, codec=args.codec)
+                data = codec.encode(pg, header, codec=args.codec, **spec.codec_args(args.codec))
                 self.wire_bytes += len(data)
                 self.store.put_if_absent(layout.delta_key(f"l{m}", p, p), data)
                 group.append(pg)
@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         print("bench syncer: need --learners >= 1, --window >= 2, --budget-s >= 0, --sync-every >= 1", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    settings, _ = config.load(cli={"model": {"name": args.model}, "syncer": {"grace_gamma": 0.0}})
+    settings, _ = config.load(cli={"model": {"name": args.model}, "syncer": {"grace_gamma": 0.0},
+                                   "run": {"codec": args.codec}})  # a top-k run merges per index (sparse_average=auto)
 
     def progress(msg: str) -> None:
         print(f"bench syncer: {msg}", file=sys.stderr, flush=True)
