@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 
+from ddiloco_geo.codec import MAX_CHUNK
 from ddiloco_geo.core import layout
 from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.errors import CodecError, ConfigError, NotFoundError
@@ -38,6 +39,11 @@ class RunSpec:
     topk_chunk: int = 4096
     topk_keep: int = 64
     layout_version: int = layout.LAYOUT_VERSION
+
+    def __post_init__(self) -> None:
+        if not (2 <= self.topk_chunk <= MAX_CHUNK and 1 <= self.topk_keep <= self.topk_chunk):
+            raise ValueError(f"topk_chunk={self.topk_chunk}, topk_keep={self.topk_keep}: expected a chunk of 2 to "
+                             f"{MAX_CHUNK} values keeping 1 to all of them")
 
     def codec_args(self, codec_name: str) -> dict[str, int]:
         """``block_size`` (and ``topk``) for encoding with ``codec_name`` in this run: the top-k chunk

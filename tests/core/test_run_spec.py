@@ -35,6 +35,15 @@ def test_a_run_json_without_top_k_settings_keeps_the_chunk_it_was_written_with()
     assert legacy.codec_args("topk") == {"block_size": 128, "topk": 2}
 
 
+@pytest.mark.parametrize("fields", [{"topk_chunk": 0}, {"topk_chunk": 8192}, {"topk_keep": 0},
+                                    {"topk_chunk": 64, "topk_keep": 65}, {"topk_keep": "many"}])
+def test_a_run_json_with_unusable_top_k_settings_is_a_clear_error(fields):
+    spec, _ = _spec(codec="topk")
+    bad = {**json.loads(spec.to_json()), **fields}
+    with pytest.raises(ConfigError, match="run.json is malformed"):
+        protocol.RunSpec.from_json(json.dumps(bad))
+
+
 def test_a_process_must_match_a_top_k_runs_chunk_and_count():
     spec, settings = _spec(codec="topk")
     spec.check_settings(settings.run)
