@@ -258,12 +258,16 @@ class Replayer:
             how = e.get("anchor", rec.get("anchoring"))  # an entry names its own when it differs from the run's
             anchored.append(pg if how == "base" else anchor(params, base, pg))
             weights.append(w)
+        robust, sparse = rec.get("robust", "none"), rec.get("sparse_average", "dense")
+        if robust not in merge.ROBUST_MODES or sparse not in merge.SPARSE_MODES:
+            raise Divergence(p, v, "record", f"merge record has robust={robust!r}, sparse_average={sparse!r}: "
+                             f"not a merge this build knows (robust: {merge.ROBUST_MODES}, "
+                             f"sparse_average: {merge.SPARSE_MODES}); replay it with the release that wrote it")
         okw = {**self.outer_kwargs, **(rec.get("outer") or {})}
         outer = OuterOptimizer(**okw)
         outer.load_state_dict(outer_state_from_wire(state.momentum, state.header))
         new_params, stepped = merge_and_step(params, outer, anchored, weights, self.is_embedding, okw,
-                                             rec.get("robust", "none"), rec.get("trim_ratio", 0.25),
-                                             rec.get("sparse_average", "dense"))
+                                             robust, rec.get("trim_ratio", 0.25), sparse)
 
         momentum = {k: t for k, t in stepped.state_dict().items() if k.startswith(MOMENTUM_PREFIX)}
         common = {"momentum": momentum, "num_steps": stepped.num_steps,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 
-from ddiloco_geo.codec import MAX_CHUNK
+from ddiloco_geo.codec import DEFAULT_CHUNK, DEFAULT_TOPK, MAX_CHUNK
 from ddiloco_geo.core import layout
 from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.errors import CodecError, ConfigError, NotFoundError
@@ -36,8 +36,8 @@ class RunSpec:
     overlap: int
     codec: str
     quant_block: int
-    topk_chunk: int = 4096
-    topk_keep: int = 64
+    topk_chunk: int = DEFAULT_CHUNK
+    topk_keep: int = DEFAULT_TOPK
     layout_version: int = layout.LAYOUT_VERSION
 
     def __post_init__(self) -> None:
@@ -100,7 +100,7 @@ class RunSpec:
                 quant_block=quant_block,
                 # runs before 2026-12-02 cut top-k chunks at the quantization block
                 topk_chunk=int(d.get("topk_chunk", quant_block)),
-                topk_keep=int(d.get("topk_keep", max(1, quant_block * 64 // 4096))),
+                topk_keep=int(d.get("topk_keep", max(1, quant_block * DEFAULT_TOPK // DEFAULT_CHUNK))),
             )
         except (KeyError, TypeError, ValueError, CodecError) as exc:
             raise ConfigError(f"run.json is malformed ({exc}); was it written by ddiloco-geo?") from None

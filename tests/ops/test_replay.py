@@ -248,3 +248,16 @@ def test_replay_reproduces_per_index_merges_of_topk_deltas(tiny_run):
     # replay must merge the way the record says: the dense average of these deltas differs
     result = replay(run.store, run.spec, outer_kwargs=OUTER)
     assert result["ok"] and result["bitwise"], result["first_divergence"]
+
+
+@pytest.mark.parametrize("field, value", [("sparse_average", "bogus"), ("robust", ["median"])])
+def test_a_merge_record_naming_an_unknown_merge_is_a_divergence_not_a_crash(history, field, value):
+    run, _ = history(rounds=2)
+    g_header, g_tensors = protocol.read_global(run.store, run.spec, 0, 1)
+    g_header.extra = {**g_header.extra, field: value}
+    lying = fresh_store()
+    copy_store(run.store, lying, replace={layout.global_key(0, 1): codec.encode(g_tensors, g_header, codec="fp32")})
+    result = replay(lying, run.spec, outer_kwargs=OUTER)
+    d = result["first_divergence"]
+    assert not result["ok"] and (d["fragment"], d["version"], d["what"]) == (0, 1, "record")
+    assert field in d["detail"] and "release that wrote it" in d["detail"]
