@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     rank, world, device = ranks.init_from_env(settings.learner.device)
     settings = settings.model_copy(update={"learner": settings.learner.model_copy(update={"device": device})})
     with contextlib.ExitStack() as stack:  # closed in reverse order of registration
-        stack.callback(ranks.shutdown, world)
+        stack.push(lambda exc_type, *_: ranks.shutdown(world, clean=exc_type is None))
         store = open_store(settings.storage) if rank == 0 else None
         if store is not None:
             stack.callback(store.close)

@@ -28,8 +28,15 @@ def init_from_env(device: str) -> tuple[int, int, str]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def shutdown(world: int) -> None:
+def shutdown(world: int, *, clean: bool = True) -> None:
+    """Leave the process group. On a clean exit every rank first waits at a barrier for the others
+    (rank 0 may still be flushing and checkpointing): a gloo rank that tears its group down while a
+    peer still holds the connection can abort the process (``terminate called without an active
+    exception``). After an error there is no barrier: the peers may be stuck in another collective,
+    and ``torchrun`` stops them."""
     if world > 1:
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 
