@@ -48,10 +48,11 @@ class Efficiency:
 
 DEFAULT_EFFICIENCY = (
     Efficiency("dp", "-", 0, 1.0, "definition: data-parallel is the reference"),
-    Efficiency("ddiloco", "int4", 24, 0.72,
-               "measured at small scale: bench convergence, arm 'adopt' (int4, K=1+grace, keep_progress, "
-               "learners of mixed speed), M=2, 0.5M-parameter GPT, 254k tokens, extrapolated; "
-               "docs/benchmarks.md 'Quality' reports the loss ratio 1.103 at equal tokens (M=4)"),
+    Efficiency("ddiloco", "int4", 24, 0.51,
+               "measured at a compute-optimal budget: bench convergence, arm 'adopt' at the defaults (int4, "
+               "K=1+grace, keep_progress, learners of mixed speed, Nesterov 0.4/0.9), M=4, H=24, 0.5M-parameter "
+               "GPT, 10.2M tokens (20 per parameter), Shakespeare: dp_equivalent 0.510 (docs/benchmarks.md, "
+               "'Token efficiency'); at small scale (254k tokens, M=2) it was 0.72"),
 )
 
 
