@@ -207,6 +207,11 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     time_scale()  # a bad DDILOCO_TEST_TIME_SCALE is a usage error before anything runs
     config.stash[_SKIPPED] = []
+    # Build the native codec kernels (a compiler subprocess, once per machine) before any test runs,
+    # so that the first unit test to encode does not start it.
+    from ddiloco_geo.codec import native
+
+    native.kernels()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,7 +6,8 @@ Quantize only on the wire; decode always yields contiguous float32 of the origin
 - ``bf16``: stored under ``<name>`` as bfloat16 (round-to-nearest-even); relative error <= 2^-9.
 - ``int8``: blockwise symmetric absmax. The tensor is flattened and zero-padded to a multiple of
   ``block_size`` (default 128). Per block: ``scale = absmax / 127`` (float32), ``q =
-  round_half_even(x * (127 / absmax))`` in [-127, 127] (an all-zero block has scale 0 and q 0).
+  round_half_even(x * (127 / absmax))`` in [-127, 127] (an all-zero block has scale +0 and q 0; a
+  block so small that ``127 / absmax`` overflows float32, absmax below about 4e-37, has q 0).
   Stored as ``<name>:q`` (int8, ``[num_blocks * block_size]``) and ``<name>:scale`` (float32,
   ``[num_blocks]``). Decoded ``q * scale``; error <= scale / 2 per block.
 - ``int4``: as int8 with 7 instead of 127 (q in [-7, 7]) and two values per byte: within each
@@ -16,8 +17,9 @@ Quantize only on the wire; decode always yields contiguous float32 of the origin
   a header of a few hundred bytes per tensor (well under the 0.14 budget for a fragment of tens of
   MB), and a scale never rounds below the block's absmax (which would break the error bound).
 
-Rounding is round-to-nearest (no stochastic rounding). The quantizers are whole-tensor torch ops;
-on CPU they run over cache-sized chunks with reused scratch buffers (fresh multi-MB temporaries
+Rounding is round-to-nearest (no stochastic rounding). On CPU, int8/int4 run in fused C kernels
+(``native``: one pass per block, bit-identical) when a C compiler is there, else as whole-tensor
+torch ops; either way they run over cache-sized chunks with reused scratch buffers (fresh multi-MB temporaries
 cost page faults that dwarf the arithmetic), and the caller hashes each finished chunk while the
 next one is quantized. On an accelerator the same ops run on the device and only the quantized
 bytes come back.
@@ -31,6 +33,7 @@ from typing import Literal, get_args
 
 import torch
 
+from ddiloco_geo.codec import native
 from ddiloco_geo.core.errors import CodecError
 
 Codec = Literal["fp32", "bf16", "int8", "int4", "topk"]
@@ -141,11 +144,15 @@ def _quantize_rows(
     x2: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, qmax_t: torch.Tensor,
     scratch: _Scratch, codec: str,
 ) -> None:  # fmt: skip
+    if native.usable(x2, q_out, s_out):  # one fused pass, bit-identical to the torch ops below
+        native.quantize_rows(x2, q_out, s_out, codec)
+        return
     k = x2.shape[0]
     # amax and amin separately: on CPU two plain reductions beat aminmax and abs().amax() by 10x.
-    absmax = torch.maximum(x2.amax(dim=1), x2.amin(dim=1).neg())
+    absmax = torch.maximum(x2.amax(dim=1), x2.amin(dim=1).neg()).abs_()  # abs_: a block of -0 gives +0
     torch.div(absmax, qmax_t, out=s_out)
-    inv = torch.where(absmax > 0, torch.div(qmax_t, absmax), 0.0)  # all-zero block: q 0, scale 0
+    # A block of zeros, or one so small that qmax / absmax overflows (absmax < ~2e-38): codes 0.
+    inv = torch.div(qmax_t, absmax).nan_to_num_(nan=0.0, posinf=0.0)
     t = scratch.x[:k]
     torch.mul(x2, inv[:, None], out=t)
     t.round_()  # half to even; |t| <= qmax (+1 ulp) by construction, so no clamp is needed
@@ -179,6 +186,9 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, codec: str, block_si
 
 
 def _dequantize_rows(q2: torch.Tensor, scale: torch.Tensor, o2: torch.Tensor, tmp: torch.Tensor, codec: str) -> None:
+    if native.usable(q2, scale, o2):
+        native.dequantize_rows(q2, scale, o2, codec)
+        return
     if codec == "int8":
         o2.copy_(q2)
     else:

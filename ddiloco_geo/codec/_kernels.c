@@ -1,0 +1,103 @@
+/* Fused blockwise int8/int4 quantize and dequantize for the CPU (see ddiloco_geo/codec/native.py).
+ *
+ * One pass per block instead of the six torch passes of the fallback, with bit-identical results:
+ * absmax = max |x| (+0 for a block of zeros); scale = absmax / qmax; inv = qmax / absmax, or 0 where
+ * that is not finite (a block of zeros, or one so small that qmax / absmax overflows);
+ * q = round_half_even(x * inv), every operation in float32 (compiled with -ffp-contract=off, so no
+ * fused multiply-add changes a rounding). int4 packs value j of a block in the low nibble and value
+ * j + block/2 in the high nibble of byte j, two's complement.
+ *
+ * The quantizers return 0, or 1 if a block holds NaN or Inf (its codes are then left at 0 and its
+ * scale is NaN or Inf: the caller refuses the tensor).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* max |x| over a block as the largest of the magnitudes' bit patterns (IEEE order for non-negative
+ * floats is integer order; vectorizes as an integer max). NaN's patterns lie above Inf's. A block of
+ * zeros of either sign gives +0. */
+static inline float block_absmax(const float *x, int64_t n, int *bad) {
+    uint32_t m = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uint32_t u;
+        memcpy(&u, &x[j], sizeof u);
+        u &= 0x7fffffffu;
+        m = u > m ? u : m;
+    }
+    if (m >= 0x7f800000u) *bad = 1; /* Inf or NaN */
+    float absmax;
+    memcpy(&absmax, &m, sizeof absmax);
+    return absmax;
+}
+
+int ddiloco_quantize_int4(const float *x, int64_t rows, int64_t bs, uint8_t *q, float *scale) {
+    const int64_t half = bs / 2;
+    int bad = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * bs;
+        uint8_t *qr = q + r * half;
+        int row_bad = 0;
+        float absmax = block_absmax(xr, bs, &row_bad);
+        scale[r] = absmax / 7.0f;
+        if (row_bad) {
+            bad = 1;
+            for (int64_t j = 0; j < half; j++) qr[j] = 0;
+            continue;
+        }
+        float inv = 7.0f / absmax;
+        if (!(inv <= FLT_MAX)) inv = 0.0f; /* a zero or subnormal block: codes 0 */
+        for (int64_t j = 0; j < half; j++) {
+            int lo = (int)__builtin_rintf(xr[j] * inv);
+            int hi = (int)__builtin_rintf(xr[j + half] * inv);
+            qr[j] = (uint8_t)(((hi & 15) << 4) | (lo & 15));
+        }
+    }
+    return bad;
+}
+
+int ddiloco_quantize_int8(const float *x, int64_t rows, int64_t bs, int8_t *q, float *scale) {
+    int bad = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * bs;
+        int8_t *qr = q + r * bs;
+        int row_bad = 0;
+        float absmax = block_absmax(xr, bs, &row_bad);
+        scale[r] = absmax / 127.0f;
+        if (row_bad) {
+            bad = 1;
+            for (int64_t j = 0; j < bs; j++) qr[j] = 0;
+            continue;
+        }
+        float inv = 127.0f / absmax;
+        if (!(inv <= FLT_MAX)) inv = 0.0f; /* a zero or subnormal block: codes 0 */
+        for (int64_t j = 0; j < bs; j++) qr[j] = (int8_t)(int)__builtin_rintf(xr[j] * inv);
+    }
+    return bad;
+}
+
+void ddiloco_dequantize_int4(const uint8_t *q, const float *scale, int64_t rows, int64_t bs, float *out) {
+    const int64_t half = bs / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *qr = q + r * half;
+        float *o = out + r * bs;
+        const float s = scale[r];
+        for (int64_t j = 0; j < half; j++) {
+            int8_t b = (int8_t)qr[j];
+            int8_t lo = (int8_t)(b << 4) >> 4;
+            int8_t hi = b >> 4;
+            o[j] = (float)lo * s;
+            o[j + half] = (float)hi * s;
+        }
+    }
+}
+
+void ddiloco_dequantize_int8(const int8_t *q, const float *scale, int64_t rows, int64_t bs, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *qr = q + r * bs;
+        float *o = out + r * bs;
+        const float s = scale[r];
+        for (int64_t j = 0; j < bs; j++) o[j] = (float)qr[j] * s;
+    }
+}

@@ -1,0 +1,131 @@
+"""Fused int8/int4 kernels for the CPU: ``_kernels.c``, compiled on first use, called through ctypes.
+
+The torch fallback in ``quantize`` takes about six passes over a block (max, min, multiply, round,
+convert, pack) and the conversions between float and int8 are the slowest of them; the C kernels
+take one, with bit-identical results (tests/core/test_codec_native.py compares them on every block
+size and edge case). They are optional: without a C compiler, or with ``DDILOCO_NATIVE_CODEC=0``,
+the torch path runs and nothing else changes.
+
+Build: ``cc -O3 -march=native -ffp-contract=off`` into a per-user cache
+(``$DDILOCO_NATIVE_DIR``, else ``$XDG_CACHE_HOME/ddiloco-geo`` or ``~/.cache/ddiloco-geo``), keyed by
+a hash of the source, the flags, the compiler and the CPU's feature flags (``-march=native`` code
+must not run on another CPU that shares the home directory). The library is written to a
+temporary name and renamed into place, so processes that build at the same time do not see a
+half-written file. A failed build is logged once per process and the torch path is used.
+ctypes releases the GIL during each call, so the checksum thread keeps hashing meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("_kernels.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+ENV_SWITCH = "DDILOCO_NATIVE_CODEC"
+
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_TRIED = False
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("DDILOCO_NATIVE_DIR"):
+        return Path(os.environ["DDILOCO_NATIVE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ddiloco-geo"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20]
+    target = _cache_dir() / f"codec-kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("native_codec_unavailable reason=no C compiler (cc); the torch codec path runs")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning("native_codec_unavailable reason=%s %s; the torch codec path runs", type(exc).__name__,
+                    detail.decode(errors="replace")[:300] if isinstance(detail, bytes) else detail)
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in ("ddiloco_quantize_int4", "ddiloco_quantize_int8"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [p, i64, i64, p, p], ctypes.c_int
+    for name in ("ddiloco_dequantize_int4", "ddiloco_dequantize_int8"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [p, p, i64, i64, p], None
+    return lib
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no compiler, a failed build, or ``DDILOCO_NATIVE_CODEC=0`` when
+    the process first asked)."""
+    global _LIB, _TRIED
+    if not _TRIED:
+        with _LOCK:
+            if not _TRIED:
+                _LIB, _TRIED = _load(), True
+    return _LIB
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """True when the kernels are available and every tensor is a contiguous, aligned CPU tensor."""
+    return all(t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % t.element_size() == 0
+               for t in tensors) and kernels() is not None
+
+
+def quantize_rows(x2: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, codec: str) -> bool:
+    """Quantize the float32 rows ``x2`` (one block each) into ``q_out``/``s_out``; False if a
+    block holds NaN or Inf (its scale is then not finite, which the caller refuses)."""
+    fn = kernels().ddiloco_quantize_int4 if codec == "int4" else kernels().ddiloco_quantize_int8
+    rows, bs = x2.shape
+    return fn(x2.data_ptr(), rows, bs, q_out.data_ptr(), s_out.data_ptr()) == 0
+
+
+def dequantize_rows(q2: torch.Tensor, scale: torch.Tensor, o2: torch.Tensor, codec: str) -> None:
+    """The float32 rows ``o2`` that ``q2`` and ``scale`` encode."""
+    fn = kernels().ddiloco_dequantize_int4 if codec == "int4" else kernels().ddiloco_dequantize_int8
+    rows, bs = o2.shape
+    fn(q2.data_ptr(), scale.data_ptr(), rows, bs, o2.data_ptr())

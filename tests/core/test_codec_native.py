@@ -1,0 +1,128 @@
+"""The fused C kernels for int8/int4 (codec/native.py): built on this machine, bit-identical to the
+torch path on every block size and edge case, and optional (no compiler: the torch path runs)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from ddiloco_geo import codec
+from ddiloco_geo.codec import native, quantize
+from ddiloco_geo.core.clocks import VectorClock
+from ddiloco_geo.core.errors import CodecError
+
+
+
+def _torch_only(monkeypatch) -> None:
+    monkeypatch.setattr(native, "usable", lambda *tensors: False)
+
+
+def _both(monkeypatch, flat: torch.Tensor, name: str, bs: int):
+    """(q, scale, decoded) from the native path, then from the torch path."""
+    out = []
+    for use_native in (True, False):
+        if not use_native:
+            _torch_only(monkeypatch)
+        q, s = quantize.quantize_blocks(flat, name, bs, lambda rows: None)
+        out.append((q.clone(), s.clone(), quantize.dequantize_blocks(q, s, name, bs, flat.numel())))
+    monkeypatch.undo()
+    return out
+
+
+def _cases() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    ties = torch.tensor([7.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -3.5, 6.5, -6.5, 0.0] * 11)  # x * inv = x exactly
+    wide = torch.randn(5000, generator=gen) * torch.logspace(-30, 30, 5000)  # scales from 1e-30 to 1e30
+    return [
+        torch.randn(100_003, generator=gen) * 1e-3,  # several CPU chunks and a tail
+        ties, wide, torch.zeros(300), -torch.zeros(300),
+        torch.cat([torch.zeros(128), -torch.zeros(128), torch.full((128,), -3.0), torch.tensor([1e-45] * 128)]),
+        torch.tensor([3.4e38, -3.4e38] * 64),  # near float32's limit: refused by the scale check in both
+    ]
+
+
+@pytest.mark.slow
+def test_the_kernels_build_here(monkeypatch, tmp_path):
+    """A fresh build into an empty cache (a compiler subprocess: not the unit tier), then a reload
+    from that cache."""
+    if shutil.which("cc") is None:
+        pytest.fail("no C compiler: the native codec cannot be tested (CI images have cc)")
+    monkeypatch.setenv("DDILOCO_NATIVE_DIR", str(tmp_path))
+    for _ in range(2):
+        monkeypatch.setattr(native, "_LIB", None)
+        monkeypatch.setattr(native, "_TRIED", False)
+        assert native.kernels() is not None
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["int4", "int8"])
+@pytest.mark.parametrize("bs", [2, 4, 6, 32, 128, 130, 1024])
+def test_native_matches_the_torch_path_bit_for_bit(monkeypatch, name, bs):
+    assert native.kernels() is not None
+    for flat in _cases():
+        try:
+            (qn, sn, dn), (qt, st, dt) = _both(monkeypatch, flat, name, bs)
+        except CodecError as exc:  # the float32-limit case: both paths must refuse it
+            assert exc.reason == "nonfinite"
+            _torch_only(monkeypatch)
+            with pytest.raises(CodecError):
+                quantize.quantize_blocks(flat, name, bs, lambda rows: None)
+            monkeypatch.undo()
+            continue
+        assert torch.equal(qn, qt)
+        assert torch.equal(sn.view(torch.int32), st.view(torch.int32))  # the same bits, zeros' signs too
+        assert torch.equal(dn.view(torch.int32), dt.view(torch.int32))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_input_is_refused_by_the_kernels(bad):
+    assert native.kernels() is not None
+    x = torch.randn(1000)
+    x[517] = bad
+    header = codec.Header(kind="delta", run_id="r", fragment=0, learner="a", seq=1, base_version=0,
+                          clock=VectorClock({"a": 1}), num_steps=1, num_tokens=1)
+    for name in ("int4", "int8"):
+        with pytest.raises(CodecError) as err:
+            codec.encode({"w": x}, header, codec=name)
+        assert err.value.reason == "nonfinite"
+
+
+@pytest.mark.unit
+def test_objects_are_the_same_bytes_with_and_without_the_kernels(monkeypatch):
+    header = codec.Header(kind="delta", run_id="r", fragment=0, learner="a", seq=1, base_version=0,
+                          clock=VectorClock({"a": 1}), num_steps=1, num_tokens=1)
+    tensors = {"a": torch.randn(300, 17), "b": torch.zeros(5), "c": torch.randn(4096) * 1e-6}
+    native_bytes = codec.encode(tensors, header, codec="int4")
+    _torch_only(monkeypatch)
+    assert codec.encode(tensors, header, codec="int4") == native_bytes
+
+
+@pytest.mark.unit
+def test_without_a_compiler_the_torch_path_runs(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native, "_TRIED", False)
+    monkeypatch.setenv("DDILOCO_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "definitely-not-a-compiler")
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.kernels() is None
+    assert "native_codec_unavailable" in caplog.text
+    q, s = quantize.quantize_blocks(torch.randn(1000), "int4", 128, lambda rows: None)
+    assert q.numel() == 8 * 64 and s.numel() == 8
+
+
+@pytest.mark.slow
+def test_a_failing_build_and_the_switch_leave_the_torch_path(monkeypatch, tmp_path, caplog):
+    for env in ({"CC": "false"}, {native.ENV_SWITCH: "0"}):
+        monkeypatch.setattr(native, "_LIB", None)
+        monkeypatch.setattr(native, "_TRIED", False)
+        monkeypatch.setenv("DDILOCO_NATIVE_DIR", str(tmp_path / next(iter(env))))
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        assert native.kernels() is None
+        assert not list((tmp_path / next(iter(env))).glob("*.tmp"))  # no half-built file left behind
+        monkeypatch.undo()
