@@ -101,3 +101,59 @@ void ddiloco_dequantize_int8(const int8_t *q, const float *scale, int64_t rows, 
         for (int64_t j = 0; j < bs; j++) o[j] = (float)qr[j] * s;
     }
 }
+
+/* Top-k per row for the topk codec: the k values of largest magnitude in each row of `width`
+ * values, ties toward the lower index, written as ascending int64 indices (k per row, k < width).
+ * Exact and O(width) per row: a radix select over the magnitudes' bit patterns (IEEE order for
+ * non-negative floats is integer order) finds the k-th largest pattern: a histogram of the exponent
+ * byte in the pass that takes magnitudes, the values of the chosen exponent gathered, then three
+ * more digits of the mantissa (8, 8, 7 bits) among those only; a last scan takes every larger value
+ * and the first of the equal ones. Returns 1 if a row holds NaN or Inf, 2 for a width over 4096
+ * or k outside [1, width). */
+#define TOPK_MAX_WIDTH 4096 /* the codec's largest chunk (12-bit indices) */
+
+static inline int pick_bin(const int32_t *hist, int top, int64_t *need) {
+    int bin = top;
+    while (hist[bin] < *need) *need -= hist[bin--];
+    return bin;
+}
+
+int ddiloco_topk_rows(const float *x, int64_t rows, int64_t width, int64_t k, int64_t *out) {
+    uint32_t mag[TOPK_MAX_WIDTH], cand[TOPK_MAX_WIDTH];
+    if (width > TOPK_MAX_WIDTH || k < 1 || k >= width) return 2;
+    static const int shifts[3] = {15, 7, 0}, widths[3] = {8, 8, 7};
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * width;
+        int32_t hist[256] = {0};
+        uint32_t bad = 0;
+        for (int64_t j = 0; j < width; j++) {
+            uint32_t u;
+            memcpy(&u, &xr[j], sizeof u);
+            u &= 0x7fffffffu;
+            mag[j] = u;
+            bad |= (u >= 0x7f800000u);
+            hist[u >> 23]++;
+        }
+        if (bad) return 1;
+        int64_t need = k; /* how many of the values matching prefix/mask are still to be taken */
+        const uint32_t exponent = (uint32_t)pick_bin(hist, 255, &need);
+        int64_t nc = 0;
+        for (int64_t j = 0; j < width; j++)
+            if ((mag[j] >> 23) == exponent) cand[nc++] = mag[j];
+        uint32_t prefix = exponent << 23, mask = 0xffu << 23;
+        for (int d = 0; d < 3; d++) {
+            const uint32_t digit = (1u << widths[d]) - 1u;
+            for (int b = 0; b < 256; b++) hist[b] = 0;
+            for (int64_t c = 0; c < nc; c++)
+                if ((cand[c] & mask) == prefix) hist[(cand[c] >> shifts[d]) & digit]++;
+            prefix |= (uint32_t)pick_bin(hist, (int)digit, &need) << shifts[d];
+            mask |= digit << shifts[d];
+        }
+        /* prefix is now the k-th largest magnitude; `need` of the values equal to it are kept */
+        int64_t *o = out + r * k, n = 0;
+        for (int64_t j = 0; j < width; j++) {
+            if (mag[j] > prefix || (mag[j] == prefix && need-- > 0)) o[n++] = j;
+        }
+    }
+    return 0;
+}

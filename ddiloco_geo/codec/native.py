@@ -1,10 +1,12 @@
-"""Fused int8/int4 kernels for the CPU: ``_kernels.c``, compiled on first use, called through ctypes.
+"""Fused int8/int4 and top-k kernels for the CPU: ``_kernels.c``, compiled on first use, called
+through ctypes.
 
 The torch fallback in ``quantize`` takes about six passes over a block (max, min, multiply, round,
 convert, pack) and the conversions between float and int8 are the slowest of them; the C kernels
 take one, with bit-identical results (tests/core/test_codec_native.py compares them on every block
 size and edge case). They are optional: without a C compiler, or with ``DDILOCO_NATIVE_CODEC=0``,
-the torch path runs and nothing else changes.
+the torch path runs and nothing else changes. ``topk_rows`` does the top-k codec's selection by
+a radix select (linear in the chunk) where ``torch.topk`` sorts.
 
 Build: ``cc -O3 -march=native -ffp-contract=off`` into a per-user cache
 (``$DDILOCO_NATIVE_DIR``, else ``$XDG_CACHE_HOME/ddiloco-geo`` or ``~/.cache/ddiloco-geo``), keyed by
@@ -96,6 +98,7 @@ def _load() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes, getattr(lib, name).restype = [p, i64, i64, p, p], ctypes.c_int
     for name in ("ddiloco_dequantize_int4", "ddiloco_dequantize_int8"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [p, p, i64, i64, p], None
+    lib.ddiloco_topk_rows.argtypes, lib.ddiloco_topk_rows.restype = [p, i64, i64, i64, p], ctypes.c_int
     return lib
 
 
@@ -122,6 +125,17 @@ def quantize_rows(x2: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, co
     fn = kernels().ddiloco_quantize_int4 if codec == "int4" else kernels().ddiloco_quantize_int8
     rows, bs = x2.shape
     return fn(x2.data_ptr(), rows, bs, q_out.data_ptr(), s_out.data_ptr()) == 0
+
+
+def topk_rows(x2: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Ascending indices (int64 [rows, k]) of the k largest |x| in each row of the float32 ``x2``,
+    ties toward the lower index (k < row width); None if a row holds NaN or Inf."""
+    rows, width = x2.shape
+    out = torch.empty((rows, k), dtype=torch.long)
+    rc = kernels().ddiloco_topk_rows(x2.data_ptr(), rows, width, k, out.data_ptr())
+    if rc == 2:
+        raise ValueError(f"topk_rows: a row of {width} values keeping {k} (at most 4096, 1 <= k < width)")
+    return out if rc == 0 else None
 
 
 def dequantize_rows(q2: torch.Tensor, scale: torch.Tensor, o2: torch.Tensor, codec: str) -> None:

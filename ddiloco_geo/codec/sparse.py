@@ -35,6 +35,7 @@ import threading
 
 import torch
 
+from ddiloco_geo.codec import native
 from ddiloco_geo.core.errors import CodecError
 
 DEFAULT_CHUNK = 4096
@@ -100,6 +101,11 @@ def _top(x2: torch.Tensor, k: int) -> torch.Tensor:
     rows, width = x2.shape
     if k >= width:
         return torch.arange(width, device=x2.device).expand(rows, width)
+    if x2.dtype == torch.float32 and width <= MAX_CHUNK and native.usable(x2):  # radix select in C: same indices
+        idx = native.topk_rows(x2, k)
+        if idx is None:
+            raise CodecError("nonfinite", "NaN or Inf in input")
+        return idx
     a = torch.abs(x2, out=_abs_scratch(x2))
     vals, idx = torch.topk(a, k + 1, dim=1, sorted=False)  # unsorted: a third cheaper on CPU
     if not bool(torch.isfinite(vals).all()):  # NaN and Inf always rank among the largest

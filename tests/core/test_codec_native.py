@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddiloco_geo import codec
-from ddiloco_geo.codec import native, quantize
+from ddiloco_geo.codec import native, quantize, sparse
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.errors import CodecError
 
@@ -126,3 +126,29 @@ def test_a_failing_build_and_the_switch_leave_the_torch_path(monkeypatch, tmp_pa
         assert native.kernels() is None
         assert not list((tmp_path / next(iter(env))).glob("*.tmp"))  # no half-built file left behind
         monkeypatch.undo()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("width,k", [(2, 1), (7, 3), (128, 2), (1000, 999), (4096, 64), (4096, 1), (4096, 4095)])
+def test_topk_selection_matches_the_torch_path(monkeypatch, width, k):
+    """The radix select keeps the same indices as torch.topk with ties toward the lower index:
+    on random values, heavy ties (a few distinct values), zeros, signed zeros and subnormals."""
+    assert native.kernels() is not None
+    gen = torch.Generator().manual_seed(width + k)
+    rows = [
+        torch.randn(16, width, generator=gen),
+        torch.randint(-3, 4, (16, width), generator=gen).float(),  # ties everywhere
+        torch.randint(-3, 4, (16, width), generator=gen).float() * 1e-40,  # subnormal ties
+        torch.zeros(2, width), -torch.zeros(2, width),
+        torch.randn(4, width, generator=gen) * torch.logspace(-38, 38, width),
+    ]
+    for x2 in rows:
+        got = sparse._top(x2.contiguous(), k)
+        _torch_only(monkeypatch)
+        want = sparse._top(x2.contiguous(), k)
+        monkeypatch.undo()
+        assert torch.equal(got, want)
+    bad = torch.randn(3, width, generator=gen)
+    bad[1, width // 2] = float("nan")
+    with pytest.raises(CodecError):
+        sparse._top(bad, k)
