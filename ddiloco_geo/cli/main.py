@@ -1,4 +1,5 @@
-"""Command line: parse argv, set up logging and signals, hand off to one module. Nothing else.
+"""Command line: parse argv, set up logging, signals and the allocator, hand off to one module.
+Nothing else.
 
 Every subcommand lives in its own module, which exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; only the chosen one is imported (so ``ddiloco-geo config --show`` does not
@@ -14,8 +15,10 @@ import torch). Common flags, accepted by every subcommand:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import logging
+import os
 import sys
 
 from ddiloco_geo import __version__
@@ -76,6 +79,27 @@ def build_parser(chosen: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def setup_malloc() -> None:
+    """Keep freed memory for reuse (glibc only; ``DDILOCO_MALLOC_TUNING=0`` leaves the defaults).
+
+    glibc serves allocations above a threshold (at most 32 MB) with fresh ``mmap`` pages and
+    returns freed heap memory to the system: every decoded delta, update and training activation
+    then pays a page fault per 4 KiB on first touch, which measured more than the int4 decode
+    itself (29.5 ms against 10.8 ms for a 32 MB fragment). With both thresholds at 1 GiB the
+    process keeps what it freed and reuses it; its resident size stays at its peak instead of
+    shrinking between rounds."""
+    if os.environ.get("DDILOCO_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 1 << 30)
+    mallopt(m_trim_threshold, 1 << 30)
+
+
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
@@ -95,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     setup_logging(args.verbose)
+    setup_malloc()
     mod = args._module
     try:
         return int(mod.run(args) or 0)
