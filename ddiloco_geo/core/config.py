@@ -27,6 +27,9 @@ ENV_PREFIX = "DDILOCO_"
 ENV_NESTED = "__"
 CONFIG_FILE_ENV = "DDILOCO_CONFIG"
 TEST_ENV_PREFIX = "DDILOCO_TEST_"  # reserved for the test harness (e.g. DDILOCO_TEST_LOCALSTACK_URL)
+# Process switches outside the settings tree, read where no settings exist yet (docs/configuration.md):
+# the native codec kernels (codec/native.py) and the allocator (cli/main.py: setup_malloc).
+PROCESS_ENV = frozenset({"DDILOCO_NATIVE_CODEC", "DDILOCO_NATIVE_DIR", "DDILOCO_MALLOC_TUNING"})
 
 Codec = Literal["fp32", "bf16", "int8", "int4", "topk"]  # = codec.CODECS (tested); written here to keep config free of torch
 
@@ -310,7 +313,8 @@ def _env_tree(environ: dict[str, str]) -> dict[str, Any]:
     """``DDILOCO_SECTION__FIELD=value`` -> {"section": {"field": value}} (values parsed later)."""
     tree: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV or name.startswith(TEST_ENV_PREFIX):
+        if (not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV or name.startswith(TEST_ENV_PREFIX)
+                or name in PROCESS_ENV):
             continue
         path = name[len(ENV_PREFIX):].lower().split(ENV_NESTED)
         node = tree

@@ -44,6 +44,16 @@ def test_config_file_from_environment_variable(tmp_path):
     assert settings.run_id == "from-file" and origin["run_id"] == "file"
 
 
+def test_process_switches_are_not_settings_keys():
+    """DDILOCO_NATIVE_CODEC / _NATIVE_DIR / _MALLOC_TUNING are read outside the settings tree; a
+    command that loads settings must not reject them as unknown keys (as it did when they came)."""
+    env = {name: "0" for name in config.PROCESS_ENV}
+    settings, _ = config.load(environ={**env, "DDILOCO_SYNCER__QUORUM": "2"})
+    assert settings.syncer.quorum == 2
+    with pytest.raises(ConfigError, match="DDILOCO_NATIVE_CODECS|native_codecs"):
+        config.load(environ={"DDILOCO_NATIVE_CODECS": "0"})  # a misspelling is still an unknown key
+
+
 def test_env_lists_are_parsed_as_json():
     settings, _ = config.load(environ={"DDILOCO_MODEL__EMBEDDING_PATTERNS": '["tok", "head"]'})
     assert settings.model.embedding_patterns == ["tok", "head"]
