@@ -35,7 +35,7 @@ from ddiloco_geo.codec.checksum import PARALLEL_HASH_BYTES, Digest
 from ddiloco_geo.codec.framing import ST_TO_TORCH, as_bytes, load, numel, parse_framing, serialize
 from ddiloco_geo.codec.header import Header, check_header, header_metadata, parse_metadata
 from ddiloco_geo.codec.quantize import (
-    CODECS, MAX_BLOCK_SIZE, QMAX, dequantize_blocks, quantize_blocks, resolve_block_size, store_float,
+    CODECS, MAX_BLOCK_SIZE, QMAX, all_finite, dequantize_blocks, quantize_blocks, resolve_block_size, store_float,
 )  # fmt: skip
 from ddiloco_geo.codec.sparse import MAX_CHUNK, resolve, sparse_decode, sparse_encode, sparsify, stored_sizes
 from ddiloco_geo.core.errors import CodecError
@@ -142,7 +142,7 @@ def roundtrip(tensors: Mapping[str, torch.Tensor], codec: str, *, block_size: in
         try:
             if codec == "topk":
                 out[name] = sparsify(x, block_size=block_size, topk=topk).cpu()
-                if not bool(torch.isfinite(out[name]).all()):
+                if not all_finite(out[name]):
                     raise CodecError("nonfinite", "NaN or Inf in input")
             elif codec in QMAX:
                 q, scale = quantize_blocks(x.reshape(-1), codec, block_size, lambda _rows: None)
@@ -364,5 +364,5 @@ def _check_finite(header: Header, stored: dict[str, torch.Tensor], tensors: dict
                 raise CodecError("codec", f"{name!r}: negative scale")
         return
     for name, t in tensors.items():
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise CodecError("nonfinite", f"{name!r}: NaN or Inf")

@@ -435,3 +435,17 @@ def test_roundtrip_is_what_decode_yields_bit_for_bit(name):
             assert torch.equal(got[n], decoded[n]), (name, block, n)
     with pytest.raises(codec.CodecError):
         codec.roundtrip({"x": torch.tensor([1.0, float("nan")])}, name)
+
+
+@pytest.mark.unit
+def test_all_finite_finds_nan_and_inf_anywhere():
+    from ddiloco_geo.codec.quantize import all_finite
+
+    assert all_finite(torch.empty(0)) and all_finite(torch.randn(1000)) and all_finite(torch.zeros(3, dtype=torch.bfloat16))
+    for n in (1, 9, 4097):
+        for pos in {0, n // 2, n - 1}:
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                for dtype in (torch.float32, torch.bfloat16):
+                    t = torch.randn(n).to(dtype)
+                    t[pos] = bad
+                    assert not all_finite(t), (n, pos, bad, dtype)
