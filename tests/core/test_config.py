@@ -151,3 +151,12 @@ def test_local_refuses_a_quorum_above_its_learners(capsys, tmp_path):
     assert main(["local", "--quorum", "5", "--learners", "2", "--store", f"file://{tmp_path}/run", "--no-live"]) == 2
     err = capsys.readouterr().err
     assert "syncer.quorum=5 exceeds local.learners=2" in err and "env DDILOCO_)" not in err
+
+
+def test_a_topk_run_defaults_to_plain_averaging_unless_the_outer_optimizer_is_set():
+    settings, _ = config.load(environ={}, cli={"run": {"codec": "topk"}, "syncer": {"quorum": 2}})
+    assert (settings.syncer.outer_lr, settings.syncer.outer_momentum) == config.TOPK_OUTER == (1.0, 0.0)
+    settings, _ = config.load(environ={"DDILOCO_SYNCER__OUTER_MOMENTUM": "0.5"}, cli={"run": {"codec": "topk"}})
+    assert (settings.syncer.outer_lr, settings.syncer.outer_momentum) == (0.4, 0.5)  # explicit: theirs
+    settings, _ = config.load(environ={})
+    assert (settings.syncer.outer_lr, settings.syncer.outer_momentum) == (0.4, 0.9)  # int4: Nesterov
