@@ -157,3 +157,47 @@ int ddiloco_topk_rows(const float *x, int64_t rows, int64_t width, int64_t k, in
     }
     return 0;
 }
+
+/* The topk codec's bit streams: `n` values of `width` bits (1..32), value i at stream bits
+ * [i*width, (i+1)*width), little-endian, bit j of a byte being (b >> j) & 1, zero-padded to
+ * `nbytes` = ceil(n * width / 8). Values are masked to `width` bits. */
+void ddiloco_pack_bits(const int64_t *v, int64_t n, int width, uint8_t *out, int64_t nbytes) {
+    const uint64_t m = (width >= 64) ? ~0ull : ((1ull << width) - 1ull);
+    uint64_t acc = 0;
+    int bits = 0;
+    int64_t o = 0;
+    for (int64_t i = 0; i < n; i++) {
+        acc |= ((uint64_t)v[i] & m) << bits;
+        bits += width;
+        while (bits >= 8) {
+            out[o++] = (uint8_t)acc;
+            acc >>= 8;
+            bits -= 8;
+        }
+    }
+    if (bits > 0) out[o++] = (uint8_t)acc;
+    while (o < nbytes) out[o++] = 0;
+}
+
+/* The inverse: `count` values of `width` bits from `data` (`nbytes` long). Returns 0, 1 if a
+ * padding bit after the last value is set, 2 if `data` is too short. */
+int ddiloco_unpack_bits(const uint8_t *data, int64_t nbytes, int width, int64_t count, int64_t *out) {
+    const uint64_t m = (1ull << width) - 1ull;
+    uint64_t acc = 0;
+    int bits = 0;
+    int64_t p = 0;
+    for (int64_t i = 0; i < count; i++) {
+        while (bits < width) {
+            if (p >= nbytes) return 2;
+            acc |= (uint64_t)data[p++] << bits;
+            bits += 8;
+        }
+        out[i] = (int64_t)(acc & m);
+        acc >>= width;
+        bits -= width;
+    }
+    if (acc != 0) return 1;
+    for (; p < nbytes; p++)
+        if (data[p]) return 1;
+    return 0;
+}

@@ -99,6 +99,8 @@ def _load() -> ctypes.CDLL | None:
     for name in ("ddiloco_dequantize_int4", "ddiloco_dequantize_int8"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [p, p, i64, i64, p], None
     lib.ddiloco_topk_rows.argtypes, lib.ddiloco_topk_rows.restype = [p, i64, i64, i64, p], ctypes.c_int
+    lib.ddiloco_pack_bits.argtypes, lib.ddiloco_pack_bits.restype = [p, i64, ctypes.c_int, p, i64], None
+    lib.ddiloco_unpack_bits.argtypes, lib.ddiloco_unpack_bits.restype = [p, i64, ctypes.c_int, i64, p], ctypes.c_int
     return lib
 
 
@@ -136,6 +138,22 @@ def topk_rows(x2: torch.Tensor, k: int) -> torch.Tensor | None:
     if rc == 2:
         raise ValueError(f"topk_rows: a row of {width} values keeping {k} (at most 4096, 1 <= k < width)")
     return out if rc == 0 else None
+
+
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """``sparse.pack_bits`` (int64 ``values``, 1 <= width <= 32): one little-endian bit stream."""
+    values = values.to(torch.int64).contiguous()
+    out = torch.empty(-(-values.numel() * width // 8), dtype=torch.uint8)
+    kernels().ddiloco_pack_bits(values.data_ptr(), values.numel(), width, out.data_ptr(), out.numel())
+    return out
+
+
+def unpack_bits(data: torch.Tensor, width: int, count: int) -> int | torch.Tensor:
+    """``sparse.unpack_bits``: the int64 values, or 1 (a padding bit is set) or 2 (too few bytes)."""
+    data = data.contiguous()
+    out = torch.empty(count, dtype=torch.int64)
+    rc = kernels().ddiloco_unpack_bits(data.data_ptr(), data.numel(), width, count, out.data_ptr())
+    return out if rc == 0 else rc
 
 
 def dequantize_rows(q2: torch.Tensor, scale: torch.Tensor, o2: torch.Tensor, codec: str) -> None:

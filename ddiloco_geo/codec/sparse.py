@@ -211,6 +211,8 @@ def sparse_decode(idx: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, chunk
 
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     """Non-negative ints < 2^width as one little-endian bit stream, zero-padded: uint8."""
+    if values.device.type == "cpu" and 1 <= width <= 32 and native.kernels() is not None:
+        return native.pack_bits(values, width)
     shifts = torch.arange(width, dtype=torch.int64)
     bits = ((values.to(torch.int64)[:, None] >> shifts) & 1).to(torch.uint8).view(-1)
     bits = torch.cat([bits, bits.new_zeros(-bits.numel() % 8)])
@@ -221,6 +223,12 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
 def unpack_bits(data: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """The ``count`` ints of ``width`` bits in ``data`` (int64); ``CodecError("codec")`` unless the
     padding bits are zero."""
+    if 1 <= width <= 32 and native.usable(data):
+        out = native.unpack_bits(data.view(torch.uint8), width, count)
+        if isinstance(out, torch.Tensor):
+            return out
+        raise CodecError("codec", "non-zero padding bits after the last value" if out == 1 else
+                         f"{data.numel()} bytes hold fewer than {count} values of {width} bits")
     shifts = torch.arange(8, dtype=torch.uint8)
     bits = ((data.view(torch.uint8)[:, None] >> shifts) & 1).view(-1)
     if bool(bits[count * width :].any()):

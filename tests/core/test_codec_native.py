@@ -152,3 +152,26 @@ def test_topk_selection_matches_the_torch_path(monkeypatch, width, k):
     bad[1, width // 2] = float("nan")
     with pytest.raises(CodecError):
         sparse._top(bad, k)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 12, 13, 31])
+def test_bit_packing_matches_the_torch_path(monkeypatch, width):
+    assert native.kernels() is not None
+    gen = torch.Generator().manual_seed(width)
+    for count in (0, 1, 5, 8, 1001):
+        values = torch.randint(0, 2**width, (count,), generator=gen)
+        packed = sparse.pack_bits(values, width)
+        monkeypatch.setattr(native, "kernels", lambda: None)
+        monkeypatch.setattr(native, "usable", lambda *tensors: False)
+        assert torch.equal(packed, sparse.pack_bits(values, width))
+        assert torch.equal(sparse.unpack_bits(packed, width, count), values)
+        monkeypatch.undo()
+        assert torch.equal(sparse.unpack_bits(packed, width, count), values)
+        if count * width % 8:  # a set padding bit is refused, by both paths
+            bad = packed.clone()
+            bad[-1] |= 0x80
+            with pytest.raises(CodecError, match="padding"):
+                sparse.unpack_bits(bad, width, count)
+    with pytest.raises(CodecError, match="padding"):
+        sparse.unpack_bits(torch.tensor([0, 0, 1], dtype=torch.uint8), width, 1 if width <= 8 else 0)
