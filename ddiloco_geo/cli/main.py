@@ -96,7 +96,8 @@ def setup_malloc() -> None:
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 1 << 30)
+    if not mallopt(m_mmap_threshold, 1 << 30):  # a glibc that caps the threshold: its largest, 32 MiB
+        mallopt(m_mmap_threshold, 32 << 20)
     mallopt(m_trim_threshold, 1 << 30)
 
 

@@ -12,12 +12,13 @@ pytestmark = pytest.mark.unit
 
 
 class _FakeLibc:
-    def __init__(self) -> None:
+    def __init__(self, max_mmap_threshold: int = 1 << 40) -> None:
         self.calls: list[tuple[int, int]] = []
+        self.max_mmap_threshold = max_mmap_threshold
 
     def mallopt(self, param: int, value: int) -> int:
         self.calls.append((param, value))
-        return 1
+        return int(param != -3 or value <= self.max_mmap_threshold)
 
 
 def test_every_command_raises_both_malloc_thresholds(monkeypatch):
@@ -27,6 +28,10 @@ def test_every_command_raises_both_malloc_thresholds(monkeypatch):
     monkeypatch.delenv("DDILOCO_MALLOC_TUNING", raising=False)
     cli_main.setup_malloc()
     assert sorted(libc.calls) == [(-3, 1 << 30), (-1, 1 << 30)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    capped = _FakeLibc(max_mmap_threshold=32 << 20)  # glibc versions that refuse more than 32 MiB
+    monkeypatch.setattr(cli_main.ctypes, "CDLL", lambda name: capped)
+    cli_main.setup_malloc()
+    assert capped.calls == [(-3, 1 << 30), (-3, 32 << 20), (-1, 1 << 30)]
 
 
 def test_the_switch_and_a_libc_without_mallopt_leave_the_defaults(monkeypatch):
