@@ -27,9 +27,9 @@ ENV_PREFIX = "DDILOCO_"
 ENV_NESTED = "__"
 CONFIG_FILE_ENV = "DDILOCO_CONFIG"
 TEST_ENV_PREFIX = "DDILOCO_TEST_"  # reserved for the test harness (e.g. DDILOCO_TEST_LOCALSTACK_URL)
+TOPK_OUTER = (1.0, 0.0)  # the outer (lr, momentum) a top-k run gets by default: plain averaging
 # Process switches outside the settings tree, read where no settings exist yet (docs/configuration.md):
 # the native codec kernels (codec/native.py) and the allocator (cli/main.py: setup_malloc).
-TOPK_OUTER = (1.0, 0.0)  # the outer (lr, momentum) a top-k run gets by default: plain averaging
 PROCESS_ENV = frozenset({"DDILOCO_NATIVE_CODEC", "DDILOCO_NATIVE_DIR", "DDILOCO_MALLOC_TUNING"})
 
 Codec = Literal["fp32", "bf16", "int8", "int4", "topk"]  # = codec.CODECS (tested); written here to keep config free of torch
