@@ -32,22 +32,29 @@ static inline float block_absmax(const float *x, int64_t n, int *bad) {
     return absmax;
 }
 
+/* One block's scale (absmax / qmax, into *scale) and its multiplier qmax / absmax, 0 where that is
+ * not finite (a zero or subnormal block: codes 0); -1 if the block holds NaN or Inf. */
+static inline float block_scale(const float *xr, int64_t bs, float qmax, float *scale) {
+    int bad = 0;
+    float absmax = block_absmax(xr, bs, &bad);
+    *scale = absmax / qmax;
+    if (bad) return -1.0f;
+    float inv = qmax / absmax;
+    return inv <= FLT_MAX ? inv : 0.0f;
+}
+
 int ddiloco_quantize_int4(const float *x, int64_t rows, int64_t bs, uint8_t *q, float *scale) {
     const int64_t half = bs / 2;
     int bad = 0;
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * bs;
         uint8_t *qr = q + r * half;
-        int row_bad = 0;
-        float absmax = block_absmax(xr, bs, &row_bad);
-        scale[r] = absmax / 7.0f;
-        if (row_bad) {
+        const float inv = block_scale(xr, bs, 7.0f, &scale[r]);
+        if (inv < 0.0f) {
             bad = 1;
-            for (int64_t j = 0; j < half; j++) qr[j] = 0;
+            memset(qr, 0, (size_t)half);
             continue;
         }
-        float inv = 7.0f / absmax;
-        if (!(inv <= FLT_MAX)) inv = 0.0f; /* a zero or subnormal block: codes 0 */
         for (int64_t j = 0; j < half; j++) {
             int lo = (int)__builtin_rintf(xr[j] * inv);
             int hi = (int)__builtin_rintf(xr[j + half] * inv);
@@ -62,16 +69,12 @@ int ddiloco_quantize_int8(const float *x, int64_t rows, int64_t bs, int8_t *q, f
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * bs;
         int8_t *qr = q + r * bs;
-        int row_bad = 0;
-        float absmax = block_absmax(xr, bs, &row_bad);
-        scale[r] = absmax / 127.0f;
-        if (row_bad) {
+        const float inv = block_scale(xr, bs, 127.0f, &scale[r]);
+        if (inv < 0.0f) {
             bad = 1;
-            for (int64_t j = 0; j < bs; j++) qr[j] = 0;
+            memset(qr, 0, (size_t)bs);
             continue;
         }
-        float inv = 127.0f / absmax;
-        if (!(inv <= FLT_MAX)) inv = 0.0f; /* a zero or subnormal block: codes 0 */
         for (int64_t j = 0; j < bs; j++) qr[j] = (int8_t)(int)__builtin_rintf(xr[j] * inv);
     }
     return bad;
