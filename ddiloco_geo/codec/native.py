@@ -84,14 +84,17 @@ def _load() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("native_codec_unavailable reason=no C compiler (cc); the torch codec path runs")
+        log.warning("native_codec_unavailable reason=no C compiler (cc); the torch codec path runs (same bytes, "
+                    "slower): install cc or point CC at a compiler")
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        log.warning("native_codec_unavailable reason=%s %s; the torch codec path runs", type(exc).__name__,
-                    detail.decode(errors="replace")[:300] if isinstance(detail, bytes) else detail)
+        log.warning("native_codec_unavailable reason=%s %s; the torch codec path runs (same bytes, slower): "
+                    "check that %s can build a shared library and that %s is writable (DDILOCO_NATIVE_DIR)",
+                    type(exc).__name__, detail.decode(errors="replace")[:300] if isinstance(detail, bytes) else detail,
+                    compiler, _cache_dir())
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("ddiloco_quantize_int4", "ddiloco_quantize_int8"):
@@ -121,12 +124,13 @@ def usable(*tensors: torch.Tensor) -> bool:
                for t in tensors) and kernels() is not None
 
 
-def quantize_rows(x2: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, codec: str) -> bool:
-    """Quantize the float32 rows ``x2`` (one block each) into ``q_out``/``s_out``; False if a
-    block holds NaN or Inf (its scale is then not finite, which the caller refuses)."""
+def quantize_rows(x2: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, codec: str) -> None:
+    """Quantize the float32 rows ``x2`` (one block each) into ``q_out``/``s_out``. A block that
+    holds NaN or Inf gets a scale that is not finite, which ``quantize_blocks`` refuses, as on
+    the torch path."""
     fn = kernels().ddiloco_quantize_int4 if codec == "int4" else kernels().ddiloco_quantize_int8
     rows, bs = x2.shape
-    return fn(x2.data_ptr(), rows, bs, q_out.data_ptr(), s_out.data_ptr()) == 0
+    fn(x2.data_ptr(), rows, bs, q_out.data_ptr(), s_out.data_ptr())
 
 
 def topk_rows(x2: torch.Tensor, k: int) -> torch.Tensor | None:

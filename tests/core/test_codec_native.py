@@ -175,3 +175,11 @@ def test_bit_packing_matches_the_torch_path(monkeypatch, width):
                 sparse.unpack_bits(bad, width, count)
     with pytest.raises(CodecError, match="padding"):
         sparse.unpack_bits(torch.tensor([0, 0, 1], dtype=torch.uint8), width, 1 if width <= 8 else 0)
+
+
+@pytest.mark.unit
+def test_a_bit_stream_too_short_for_its_count_is_a_codec_error():
+    assert native.kernels() is not None
+    with pytest.raises(CodecError, match="fewer than 3 values of 12 bits") as err:
+        sparse.unpack_bits(torch.zeros(4, dtype=torch.uint8), 12, 3)  # 36 bits needed, 32 given
+    assert err.value.reason == "codec"
