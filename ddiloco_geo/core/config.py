@@ -117,7 +117,8 @@ class LearnerConfig(Section):
     id: str | None = Field(None, description="learner id (default: derived from hostname and pid)")
     region: str = Field("local", description="region label shown in status views")
     batch_size: int = Field(8, ge=1)
-    lr: float = Field(3e-3, gt=0, description="inner AdamW learning rate")
+    lr: float = Field(6e-3, gt=0, description="inner AdamW peak learning rate; 6e-3 measured best for Decoupled DiLoCo "
+                      "on two seeds (3e-3, 4.5e-3, 9e-3 worse; data-parallel's best is 4.5e-3; docs/benchmarks.md)")
     weight_decay: float = Field(0.1, ge=0)
     warmup_steps: int = Field(20, ge=0)
     max_steps: int = Field(300, ge=1, description="inner steps this learner takes before exiting")

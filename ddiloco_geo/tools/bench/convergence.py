@@ -25,7 +25,7 @@ Runs go to ``--jobs`` worker processes (one torch thread each); progress lines o
 of eval loss against tokens per M.
 
 Cost: a full-budget run of the nano model is 30–40 minutes on one core (about 3,000 tokens/s), so
-the defaults (M = 4, horizons 0.5 and 1, ``lockstep`` and ``adopt``, data-parallel at 1.5×: six
+the defaults (M = 4, horizons 0.5 and 1, ``lockstep`` and ``adopt``, data-parallel at 0.75× (4.5e-3): six
 runs) take about 70 minutes on 2 quiet cores; the whole ladder at M = 2 and 4 over three horizons
 with two data-parallel rates is about 21 full-budget runs, five hours.
 """
@@ -76,8 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"the whole ladder: {LADDER})")
     p.add_argument("--ladder-at", default="max", help="M at which the whole ladder runs ('max' or a number); "
                    "other M run lockstep and the product default (adopt) only")
-    p.add_argument("--dp-lr-scales", default="1.5", help="data-parallel peak lr multipliers tried (best kept; 1.5 "
-                   "beat 1.0 at the full budget, docs/benchmarks.md)")
+    p.add_argument("--dp-lr-scales", default="0.75", help="data-parallel peak lr, as multipliers of learner.lr, "
+                   "tried (best kept). 0.75 of the default 6e-3 is 4.5e-3, which beat 3e-3 and 6e-3 at the full "
+                   "budget (docs/benchmarks.md)")
     p.add_argument("--corpus", help="data.corpus for every arm (default: the settings')")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--out", default="out/convergence", help="directory for convergence.json and convergence.png")

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes read")
     p.add_argument("--variants", default="k1_grace,k1,kM",
                    help="comma list of k1_grace, k1, kM, k1_grace_trimmed, k1_grace_median (robust merge modes)")
+    p.add_argument("--dp-lr-scales", default="0.5,0.75,1", help="data-parallel peak lr, as multipliers of "
+                   "learner.lr, tried (the best is the baseline: tuned, not handicapped)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], dest="overrides", help="extra settings KEY=VALUE")
 
@@ -69,8 +71,14 @@ def run(args: argparse.Namespace) -> int:
     M = args.learners
     base = bench_settings(args)
     t0 = time.perf_counter()
-    print(f"bench quality: data-parallel baseline, {args.steps} steps x {M} batches", file=sys.stderr)
-    dp_loss = train_dp(base, M).eval_loss
+    dp_runs = {}
+    for scale in [float(s) for s in args.dp_lr_scales.split(",") if s.strip()]:
+        print(f"bench quality: data-parallel baseline, {args.steps} steps x {M} batches, lr x{scale}", file=sys.stderr)
+        dp_runs[scale] = train_dp(base, M, lr_scale=scale).eval_loss
+    if not dp_runs:
+        raise SystemExit("--dp-lr-scales: give at least one multiplier")
+    dp_scale = min(dp_runs, key=dp_runs.get)
+    dp_loss = dp_runs[dp_scale]
     dp_s = time.perf_counter() - t0
     results = []
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
@@ -88,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model, "learners": M, "steps_per_learner": args.steps,
         "tokens_total": args.steps * M * base.learner.batch_size * base.model.block_size,
         "codec": base.run.codec, "dp_eval_loss": dp_loss, "dp_wall_s": dp_s,
+        "dp_lr": base.learner.lr * dp_scale, "dp_by_lr": {f"{base.learner.lr * k:g}": v for k, v in dp_runs.items()},
         "ddiloco_eval_loss": main["eval_loss"] if main else None,
         "loss_ratio": main["loss_ratio"] if main else None,
         "goal_loss_ratio": 1.02, "variants": results,
@@ -98,5 +107,6 @@ def run(args: argparse.Namespace) -> int:
         for r in results:
             print(f"{r['variant']:>9}: eval {r['eval_loss']:.4f}  ratio {r['loss_ratio']:.4f}  "
                   f"contributors/merge {r['mean_contributors']:.2f}")
-        print(f"{'dp':>9}: eval {dp_loss:.4f}")
+        print(f"{'dp':>9}: eval {dp_loss:.4f} (lr {base.learner.lr * dp_scale:g}, the best of "
+              f"{', '.join(f'{base.learner.lr * k:g}' for k in dp_runs)})")
     return 0
