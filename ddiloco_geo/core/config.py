@@ -117,21 +117,21 @@ class LearnerConfig(Section):
     id: str | None = Field(None, description="learner id (default: derived from hostname and pid)")
     region: str = Field("local", description="region label shown in status views")
     batch_size: int = Field(8, ge=1)
-    lr: float = Field(6e-3, gt=0, description="inner AdamW peak learning rate; 6e-3 measured best for Decoupled DiLoCo "
-                      "on two seeds (3e-3, 4.5e-3, 9e-3 worse; data-parallel's best is 4.5e-3; docs/benchmarks.md)")
+    lr: float = Field(6e-3, gt=0, description="inner AdamW peak learning rate (6e-3 measured best for Decoupled DiLoCo)")
     weight_decay: float = Field(0.1, ge=0)
     warmup_steps: int = Field(20, ge=0)
     max_steps: int = Field(300, ge=1, description="inner steps this learner takes before exiting")
     max_time_s: float | None = Field(None, gt=0)
     alpha: float = Field(0.0, ge=0, lt=1, description="mixing factor on adoption: local = alpha*local + (1-alpha)*global; 0 overwrites")
-    follow_run: bool = Field(False, description="a joining or restarted learner starts its learning-rate schedule (and "
-                             "its count toward max_steps) at the run's progress, the largest learner step in the newest "
-                             "merge records, instead of at 0 (or its checkpoint's step)")
+    follow_run: bool = Field(False, description="a joining or restarted learner starts its learning-rate schedule (and its "
+                             "count toward max_steps) at the run's progress (the newest merge records), not at 0 or its checkpoint's")
     schedule: Literal["own", "run"] = Field(
-        "own", description="where a step is on the learning-rate schedule and toward max_steps: 'own' at the learner's "
-        "own step count; 'run' at the median over the run's learners of their latest steps (from the merges it "
-        "downloads), so learners of different speeds anneal together and the run stops when M x max_steps steps "
-        "are spent (fast learners take more steps, slow ones fewer)")
+        "own", description="where a step is on the learning-rate schedule and toward max_steps: 'own' step count, or 'run': "
+        "the median over the run's learners of their latest steps (from the merges it downloads), so learners of different "
+        "speeds anneal together and the run stops when M x max_steps steps are spent")
+    send_schedule: Literal["fixed", "aligned"] = Field(
+        "fixed", description="when fragment p is sent: 'fixed' every H steps; 'aligned' timed to the syncer's merges, "
+        "fragments.overlap steps before the next merge of p is expected, so learners are not out of step with the merges")
     adopt: Literal["overwrite", "keep_progress"] = Field(
         "keep_progress", description="on a new global G of fragment p: 'overwrite' sets local_p = G (work since the last "
         "delta was sent is lost); 'keep_progress' sets local_p = G + (local_p - ref_p), ref_p = local_p at the last "

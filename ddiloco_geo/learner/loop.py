@@ -6,7 +6,7 @@ Decoupled DiLoCo (arXiv 2604.21428, "learner loop"). Each inner step:
    has downloaded (``learner.adopt``: keep the unsent local progress on top, or overwrite);
 2. take one AdamW step on the learner's own data shard (under ``torchrun``: DDP or FSDP ranks,
    :mod:`~ddiloco_geo.learner.ranks`), counting steps and tokens per fragment;
-3. for each fragment due (``fragments.Schedule``: (t − offset_p) mod H == 0), hand the progress
+3. for each fragment due (``learner.send_schedule``: every H steps, or timed to the merges), hand the progress
    ``base − local`` (or, with error feedback, the increment since the previous send) to the
    bounded background uploader (:mod:`~ddiloco_geo.learner.uploader`), which encodes and writes it.
 
@@ -35,7 +35,7 @@ from ddiloco_geo.core import model as modelmod
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.config import DataConfig, FragmentConfig, LearnerConfig, ModelConfig, RunConfig, SecurityConfig
 from ddiloco_geo.core.errors import DdilocoError, StorageError
-from ddiloco_geo.core.fragments import Schedule
+from ddiloco_geo.core.fragments import send_schedule
 from ddiloco_geo.core.signing import learner_keys
 from ddiloco_geo.learner import checkpoint as ckpt
 from ddiloco_geo.learner import ranks
@@ -122,9 +122,8 @@ class Learner:
                 self.clock = self.clock.merge(header.clock)
         ranks.broadcast_model(self.model, self.world)
         self.sharded = ranks.shard_model(self.model, self.cfg.parallel, self.world)
-        self.schedule = Schedule(P, self.spec.sync_every)
-        self.c_steps = [0] * P
-        self.c_tokens = [0] * P
+        self.schedule = send_schedule(self.cfg.send_schedule, P, self.spec.sync_every, self.spec.overlap)
+        self.c_steps, self.c_tokens = [0] * P, [0] * P
         self.last_sent_step = [0] * P
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
@@ -248,6 +247,7 @@ class Learner:
         if adoptions:
             self.metrics.globals_adopted_total.inc(len(adoptions))
         for p, (version, tensors, clock) in adoptions.items():
+            self.schedule.adopted(p, self.step)
             unsent_steps = self.c_steps[p] - self.c_ref_steps[p]
             unsent_tokens = self.c_tokens[p] - self.c_ref_tokens[p]
             if self.keep_progress:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddiloco_geo.core.errors import CodecError
-from ddiloco_geo.core.fragments import FragmentPlan, Schedule, plan_fragments
+from ddiloco_geo.core.fragments import AlignedSchedule, send_schedule, FragmentPlan, Schedule, plan_fragments
 
 
 def gpt_shapes(layers: int = 4, d: int = 64, vocab: int = 512) -> dict[str, tuple[int, ...]]:
@@ -202,3 +202,52 @@ def test_schedule_validates():
     with pytest.raises(ValueError):
         Schedule(2, 4, offsets=[0, 4])
     assert Schedule(2, 4, offsets=[1, 1]).due(5) == [0, 1]
+
+
+@pytest.mark.unit
+def test_aligned_schedule_is_the_fixed_one_until_a_merge_arrives():
+    aligned, fixed = AlignedSchedule(24, 24, 2), Schedule(24, 24)
+    assert [aligned.due(s) for s in range(0, 100)] == [fixed.due(s) for s in range(0, 100)]
+    assert AlignedSchedule(4, 24, 2).due(0) == []
+
+
+@pytest.mark.unit
+def test_aligned_schedule_sends_lead_steps_before_the_next_merge_is_expected():
+    sched = AlignedSchedule(2, 24, 2)  # offsets 0 and 12
+    assert [s for s in range(1, 30) if 0 in sched.due(s)] == [24]
+    sched.adopted(0, 31)  # the merge holding that send came 7 steps later
+    assert [s for s in range(30, 80) if 0 in sched.due(s)] == [31 + 24 - 2, 31 + 24 - 2 + 24]
+    # the learner sees a merge every 30 of its own steps (it is faster than the run's mean step)
+    sched, sends = AlignedSchedule(1, 24, 2), []
+    for step in range(1, 601):
+        if step % 30 == 0:
+            sched.adopted(0, step)
+        sends += [step] if sched.due(step) else []
+    assert sched.period == pytest.approx(30, abs=0.5)
+    assert sends[-5:] == [s - 2 for s in range(480, 601, 30)][-5:]  # two steps before each merge
+    # gaps outside [H/2, 2H] (a missed merge, a merge soon after another) do not move the estimate
+    before = sched.period
+    sched.adopted(0, 700)
+    sched.adopted(0, 701)
+    assert sched.period == before
+
+
+@pytest.mark.unit
+def test_aligned_schedule_sends_between_every_half_period_and_every_two_periods():
+    """Merges (or forged globals) at every step cannot make a learner flood the bucket."""
+    sched = AlignedSchedule(1, 24, 2)
+    sends = []
+    for step in range(1, 500):
+        sched.adopted(0, step - 1)
+        if sched.due(step):
+            sends.append(step)
+    gaps = [b - a for a, b in zip(sends, sends[1:])]
+    assert len(sends) >= 10 and min(gaps) >= 12 and max(gaps) <= 48  # nor can they silence it
+
+
+@pytest.mark.unit
+def test_send_schedule_names_the_kinds():
+    assert isinstance(send_schedule("fixed", 4, 24, 2), Schedule)
+    assert isinstance(send_schedule("aligned", 4, 24, 2), AlignedSchedule)
+    with pytest.raises(ValueError, match="fixed"):
+        send_schedule("eager", 4, 24, 2)

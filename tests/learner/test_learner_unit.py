@@ -368,3 +368,26 @@ def test_residuals_in_a_checkpoint_that_do_not_fit_the_plan_are_dropped_with_a_w
         got = ckpt.residuals_of(tensors, plan)
     assert set(got) == {0} and all(torch.equal(got[0][n], good[n]) for n in good)
     assert "checkpoint_residuals_dropped tensors=4" in caplog.text
+
+
+def test_aligned_sends_keep_learners_of_different_speeds_in_step_with_the_merges():
+    """learner.send_schedule=aligned: with a slower learner and step-time jitter, deltas arrive just
+    before each merge, so far fewer fragment-steps are trained past a send before the merge holding it
+    arrives (under 'overwrite' those steps are discarded, which makes them countable)."""
+    from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
+    from tests.service.conftest import tiny_settings
+
+    def discarded(send_schedule):
+        settings = tiny_settings(**{"storage.url": "memory://unused", "learner.max_steps": 240,
+                                    "learner.warmup_steps": 2, "learner.adopt": "overwrite",
+                                    "learner.send_schedule": send_schedule, "fragments.sync_every": 12})
+        r = InProcessRun(settings, [LearnerSpeed(1.0, 0.1), LearnerSpeed(1.18, 0.1)], seed=3)
+        try:
+            status = r.run()
+            assert status["counters"]["merges"] > 0
+            return r.discarded_ratio()
+        finally:
+            r.close()
+
+    fixed, aligned = discarded("fixed"), discarded("aligned")
+    assert aligned < 0.6 * fixed, (fixed, aligned)
