@@ -144,8 +144,8 @@ class Learner:
             self.ref = {p: modelmod.get_tensors(self.model, self.spec.plan.fragments[p]) for p in range(P)}
         self.c_ref_steps = list(self.c_steps)
         self.c_ref_tokens = list(self.c_tokens)
-        self.frag_steps_trained = 0    # fragment-steps: one per fragment per inner step
-        self.frag_steps_discarded = 0  # trained, then overwritten on adoption before any send carried them
+        # fragment-steps (one per fragment per step): trained; past a send at adoption; of those, overwritten
+        self.frag_steps_trained = self.frag_steps_past_send = self.frag_steps_discarded = 0
         self.net = ranks.training_module(self.model, replicate=self.world > 1 and not self.sharded,
                                          compile=self.cfg.compile)
         if self.rank == 0:
@@ -248,8 +248,8 @@ class Learner:
             self.metrics.globals_adopted_total.inc(len(adoptions))
         for p, (version, tensors, clock) in adoptions.items():
             self.schedule.adopted(p, self.step)
-            unsent_steps = self.c_steps[p] - self.c_ref_steps[p]
-            unsent_tokens = self.c_tokens[p] - self.c_ref_tokens[p]
+            unsent_steps, unsent_tokens = self.c_steps[p] - self.c_ref_steps[p], self.c_tokens[p] - self.c_ref_tokens[p]
+            self.frag_steps_past_send += unsent_steps  # trained past the send: out of step with this merge
             if self.keep_progress:
                 local = modelmod.get_tensors(self.model, tensors.keys())
                 target = {n: t + (local[n] - self.ref[p][n]) for n, t in tensors.items()}

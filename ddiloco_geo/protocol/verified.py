@@ -218,7 +218,7 @@ def clean_learner_record(rec: dict[str, Any]) -> dict[str, Any]:
         "storage": _storage(rec.get("storage")),
         "versions": _versions(rec.get("versions")),
         "fragment_steps": {k: _count((rec.get("fragment_steps") if isinstance(rec.get("fragment_steps"), dict)
-                                      else {}).get(k)) for k in ("trained", "discarded")},
+                                      else {}).get(k)) for k in ("trained", "past_send", "discarded")},
         "history": [h for h in history[:100_000] if isinstance(h, dict)],
         "signer": _text(rec.get("signer")),
         "checkpoint": _text(rec.get("checkpoint")), "resumed_from": _text(rec.get("resumed_from")),

@@ -83,6 +83,11 @@ class InProcessRun:
         everyone = self.learners + self.retired
         return sum(ln.frag_steps_discarded for ln in everyone) / max(1, sum(ln.frag_steps_trained for ln in everyone))
 
+    def out_of_step_ratio(self) -> float:
+        """Share of trained fragment-steps that were past a send when a merge of the fragment was adopted."""
+        everyone = self.learners + self.retired
+        return sum(ln.frag_steps_past_send for ln in everyone) / max(1, sum(ln.frag_steps_trained for ln in everyone))
+
     def tokens_total(self) -> int:
         """Tokens trained by every incarnation of every learner."""
         return sum(ln.tokens_total for ln in self.learners) + sum(ln.tokens_total for ln in self.retired)

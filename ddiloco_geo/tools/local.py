@@ -182,7 +182,7 @@ class LocalRun:
         led = protocol.ledger(store, self.verifier)
         learners = {}
         bytes_up = bytes_down = 0
-        steps_total = trained = discarded = 0
+        steps_total = trained = discarded = past_send = 0
         for name in self._learner_names():
             rec = protocol.exit_record(store, name, self.verifier) or {}
             st = rec.get("storage") or {}
@@ -191,6 +191,7 @@ class LocalRun:
             steps_total += rec.get("step") or 0
             trained += (rec.get("fragment_steps") or {}).get("trained") or 0
             discarded += (rec.get("fragment_steps") or {}).get("discarded") or 0
+            past_send += (rec.get("fragment_steps") or {}).get("past_send") or 0
             learners[name] = {
                 "tokens": rec.get("tokens") or 0, "steps": rec.get("step") or 0, "final_loss": rec.get("loss"),
                 "tokens_per_s": rec.get("tokens_per_s"), "deltas_sent": (rec.get("uploads") or {}).get("deltas_sent") or 0,
@@ -213,6 +214,8 @@ class LocalRun:
             "tokens_total": sum(int(l["tokens"] or 0) for l in learners.values()),
             # fragment-steps trained and then overwritten on adoption before a delta carried them
             "discarded_fragment_steps_ratio": discarded / trained if trained else None,
+            # fragment-steps trained past a send when the merge holding it arrived (out of step with the merges)
+            "out_of_step_fragment_steps_ratio": past_send / trained if trained else None,
             "versions_published": {str(p): v for p, v in sorted(led["versions_published"].items())},
             "final_versions": {str(p): v for p, v in versions.items()},
             "deltas_written": led["deltas_written"], "deltas_merged": led["deltas_merged"],
