@@ -130,8 +130,8 @@ class LearnerConfig(Section):
         "the median over the run's learners of their latest steps (from the merges it downloads), so learners of different "
         "speeds anneal together and the run stops when M x max_steps steps are spent")
     send_schedule: Literal["fixed", "aligned"] = Field(
-        "fixed", description="when fragment p is sent: 'fixed' every H steps; 'aligned' timed to the syncer's merges, "
-        "fragments.overlap steps before the next merge of p is expected, so learners are not out of step with the merges")
+        "aligned", description="when fragment p is sent: 'aligned' timed to the syncer's merges, fragments.overlap steps "
+        "before the next merge of p is expected (measured 2.8 points better at a compute-optimal budget); 'fixed' every H steps")
     adopt: Literal["overwrite", "keep_progress"] = Field(
         "keep_progress", description="on a new global G of fragment p: 'overwrite' sets local_p = G (work since the last "
         "delta was sent is lost); 'keep_progress' sets local_p = G + (local_p - ref_p), ref_p = local_p at the last "

@@ -182,7 +182,7 @@ class Schedule:
 
 
 class AlignedSchedule:
-    """Sends timed to the syncer's merges (``learner.send_schedule = aligned``).
+    """Sends timed to the syncer's merges (``learner.send_schedule = aligned``, the default).
 
     With the fixed :class:`Schedule` a learner sends fragment p every H of its own steps, whenever
     the merge of p happens. The syncer merges p about once per fragment period (merge spacing), and
