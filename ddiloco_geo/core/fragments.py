@@ -10,9 +10,10 @@ so every learner and the syncer derive the same one; its ``digest`` goes into ``
 learner refuses a run whose plan differs.
 
 ``Schedule``: fragment p is due at inner step t (t counts from 1) when (t - offset_p) mod H == 0.
-``AlignedSchedule`` (``learner.send_schedule = aligned``) times each send to the syncer's merges instead.
 Offsets default to ``(p * H) // P``: with P == H exactly one fragment is due per step; with P < H
 some steps have none; with P > H some have several. Each fragment is due exactly once every H steps.
+``AlignedSchedule`` (``learner.send_schedule = aligned``, the default) times each send to the
+syncer's merges instead, starting from the fixed offsets.
 """
 
 from __future__ import annotations
@@ -199,8 +200,8 @@ class AlignedSchedule:
     Until the first adoption of p (and after a send that no merge follows) p is due as in the fixed
     schedule: every H steps from the fixed offset, so a learner never sends less often than there;
     never more often than once per H/2 steps either, so frequent merges cannot make it flood, and at
-    least once per 2H steps, so a stream of merges cannot silence it. The state is a function of the steps and the adoptions, so every rank of a learner
-    computes the same schedule.
+    least once per 2H steps, so a stream of merges cannot silence it. The state is a function of the
+    steps and the adoptions, so every rank of a learner computes the same schedule.
     """
 
     def __init__(self, num_fragments: int, sync_every: int, lead: int) -> None:
