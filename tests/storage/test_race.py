@@ -21,11 +21,15 @@ def _cas_round(store, key: str, round_no: int, pool: ThreadPoolExecutor) -> list
 
     def writer(i: int) -> int | None:
         barrier.wait()
+        mine = f"r{round_no}-w{i}".encode()
         try:
-            store.cas(key, f"r{round_no}-w{i}".encode(), token)
+            store.cas(key, mine, token)
             return i
         except PreconditionFailedError:
-            return None
+            # the store's contract (tests/storage/test_faults.py): a cas whose response was lost
+            # answers "precondition failed" on its retry, and the caller re-reads to find its own
+            # value. Only one writer can find it: the others' attempts all carried the old token.
+            return i if store.get(key) == mine else None
 
     return [i for i in pool.map(writer, range(NUM_WRITERS)) if i is not None]
 
