@@ -78,15 +78,17 @@ class InProcessRun:
         learner.start_clock()
         return learner
 
+    def _share_of_fragment_steps(self, counter: str) -> float:
+        everyone = self.learners + self.retired
+        return sum(getattr(ln, counter) for ln in everyone) / max(1, sum(ln.frag_steps_trained for ln in everyone))
+
     def discarded_ratio(self) -> float:
         """Share of trained fragment-steps thrown away by overwriting adoptions, over all learners."""
-        everyone = self.learners + self.retired
-        return sum(ln.frag_steps_discarded for ln in everyone) / max(1, sum(ln.frag_steps_trained for ln in everyone))
+        return self._share_of_fragment_steps("frag_steps_discarded")
 
     def out_of_step_ratio(self) -> float:
         """Share of trained fragment-steps that were past a send when a merge of the fragment was adopted."""
-        everyone = self.learners + self.retired
-        return sum(ln.frag_steps_past_send for ln in everyone) / max(1, sum(ln.frag_steps_trained for ln in everyone))
+        return self._share_of_fragment_steps("frag_steps_past_send")
 
     def tokens_total(self) -> int:
         """Tokens trained by every incarnation of every learner."""

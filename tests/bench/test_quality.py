@@ -23,6 +23,8 @@ def test_quality_compares_with_the_best_data_parallel_rate(capsys):
     assert out["loss_ratio"] == pytest.approx(row["eval_loss"] / out["dp_eval_loss"])
 
 
-def test_quality_refuses_an_empty_list_of_rates():
-    with pytest.raises(SystemExit, match="dp-lr-scales"):
-        main(["bench", "quality", "--dp-lr-scales", ",", "--steps", "1"])
+@pytest.mark.parametrize("scales", [",", "fast", "0,1", "-1", "inf"])
+@pytest.mark.parametrize("bench", ["quality", "convergence"])
+def test_benchmarks_refuse_a_list_of_rates_that_is_not_positive_numbers(bench, scales):
+    with pytest.raises(SystemExit, match="dp-lr-scales .*comma list of positive numbers"):
+        main(["bench", bench, "--dp-lr-scales", scales])

@@ -48,7 +48,7 @@ import torch
 
 from ddiloco_geo.core import config
 from ddiloco_geo.core import model as modelmod
-from ddiloco_geo.tools.bench.reference import hetero_speeds, train_dp, train_harness, train_lockstep
+from ddiloco_geo.tools.bench.reference import hetero_speeds, lr_scales, train_dp, train_harness, train_lockstep
 from ddiloco_geo.tools.inprocess import Fault, LearnerSpeed
 
 EQUAL = "equal"
@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     for a in arms:
         if a not in ARMS:
             raise SystemExit(f"unknown arm {a!r}: choose from {', '.join(ARMS)}")
+    dp_scales = lr_scales(args.dp_lr_scales)
     ladder_M = max(Ms) if args.ladder_at == "max" else int(args.ladder_at)
     base = _settings(args, Ms[0], 1, {})
     params = sum(p.numel() for p in modelmod.build_model(base.model).parameters())
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     for M in Ms:
         for h in horizons:
             steps = max(2 * base.fragments.sync_every, round(h * budget / (M * tokens_per_step)))
-            for scale in [float(s) for s in args.dp_lr_scales.split(",")]:
+            for scale in dp_scales:
                 jobs.append({"arm": f"dp@{scale}", "lr_scale": scale, "M": M, "h": h, "steps": steps})
             for a in arms if M == ladder_M else [a for a in arms if a in ("lockstep", "adopt")]:
                 jobs.append({"arm": a, "M": M, "h": h, "steps": steps})

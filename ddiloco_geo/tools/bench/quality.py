@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ddiloco_geo.core import config
-from ddiloco_geo.tools.bench.reference import hetero_speeds, train_dp, train_harness
+from ddiloco_geo.tools.bench.reference import hetero_speeds, lr_scales, train_dp, train_harness
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,9 @@ def run(args: argparse.Namespace) -> int:
     base = bench_settings(args)
     t0 = time.perf_counter()
     dp_runs = {}
-    for scale in [float(s) for s in args.dp_lr_scales.split(",") if s.strip()]:
+    for scale in lr_scales(args.dp_lr_scales):
         print(f"bench quality: data-parallel baseline, {args.steps} steps x {M} batches, lr x{scale}", file=sys.stderr)
         dp_runs[scale] = train_dp(base, M, lr_scale=scale).eval_loss
-    if not dp_runs:
-        raise SystemExit("--dp-lr-scales: give at least one multiplier")
     dp_scale = min(dp_runs, key=dp_runs.get)
     dp_loss = dp_runs[dp_scale]
     dp_s = time.perf_counter() - t0
