@@ -183,3 +183,59 @@ def test_a_bit_stream_too_short_for_its_count_is_a_codec_error():
     with pytest.raises(CodecError, match="fewer than 3 values of 12 bits") as err:
         sparse.unpack_bits(torch.zeros(4, dtype=torch.uint8), 12, 3)  # 36 bits needed, 32 given
     assert err.value.reason == "codec"
+
+
+@pytest.fixture
+def three_threads(monkeypatch):
+    """torch at three threads and a split threshold small enough for the test's tensors; yields the
+    number of runs each kernel call was split into."""
+    parts: list[int] = []
+    real = native.over_rows
+
+    def spy(call, rows, width):
+        out = real(call, rows, width)
+        parts.append(len(out))
+        return out
+
+    monkeypatch.setattr(native, "PARALLEL_VALUES", 4096)
+    monkeypatch.setattr(native, "over_rows", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        yield parts
+    finally:
+        torch.set_num_threads(before)
+
+
+def _header() -> codec.Header:
+    return codec.Header(kind="delta", run_id="r", fragment=0, learner="a", seq=1, base_version=0,
+                        clock=VectorClock({"a": 1}), num_steps=1, num_tokens=1)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["int4", "int8", "topk"])
+def test_rows_split_over_threads_give_the_same_bytes_and_values(three_threads, name):
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"w": torch.randn(70_001, generator=gen) * 1e-3, "b": torch.randn(9, 4096, generator=gen)}
+    torch.set_num_threads(1)
+    one = codec.encode(tensors, _header(), codec=name)
+    _, one_values = codec.decode(one)
+    assert set(three_threads) == {1}
+    torch.set_num_threads(3)
+    split = codec.encode(tensors, _header(), codec=name)
+    _, split_values = codec.decode(split)
+    assert max(three_threads) == 3  # the kernels did run in three parts
+    assert split == one
+    assert all(torch.equal(split_values[n], one_values[n]) for n in tensors)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["int4", "int8", "topk"])
+@pytest.mark.parametrize("where", [5, 69_000])  # in the first run (a pool thread) and in the last (the caller)
+def test_nonfinite_input_is_refused_from_any_run_of_rows(three_threads, name, where):
+    x = torch.randn(70_000)
+    x[where] = float("nan")
+    with pytest.raises(CodecError) as err:
+        codec.encode({"w": x}, _header(), codec=name)
+    assert err.value.reason == "nonfinite"
+    assert max(three_threads) == 3
