@@ -14,11 +14,7 @@ a hash of the source, the flags, the compiler and the CPU's feature flags (``-ma
 must not run on another CPU that shares the home directory). The library is written to a
 temporary name and renamed into place, so processes that build at the same time do not see a
 half-written file. A failed build is logged once per process and the torch path is used.
-ctypes releases the GIL during each call, so the checksum thread keeps hashing meanwhile, and a
-call over many rows is split into ``torch.get_num_threads()`` runs of rows on a small thread pool
-(``PARALLEL_VALUES`` values at least per run): the rows are independent, so the bytes are the same
-whatever the split, and a process that limits torch to one thread (the syncer, whose intake decodes
-several deltas at once) gets one run.
+ctypes releases the GIL during each call, so the checksum thread keeps hashing meanwhile.
 """
 
 from __future__ import annotations
@@ -32,8 +28,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -47,10 +41,6 @@ ENV_SWITCH = "DDILOCO_NATIVE_CODEC"
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
-# A run of rows handed to another thread holds at least this many values (1 MiB of fp32): below it the
-# hand-off costs more than the kernel saves.
-PARALLEL_VALUES = 1 << 18
-_POOL: ThreadPoolExecutor | None = None
 
 
 def _cache_dir() -> Path:
@@ -134,37 +124,13 @@ def usable(*tensors: torch.Tensor) -> bool:
                for t in tensors) and kernels() is not None
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        with _LOCK:
-            if _POOL is None:
-                _POOL = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
-                                           thread_name_prefix="ddiloco-codec-native")
-    return _POOL
-
-
-def over_rows(call: Callable[[int, int], int | None], rows: int, width: int) -> list[int | None]:
-    """``call(start, stop)`` over ``rows`` rows of ``width`` values, as one call or, for a large
-    enough job and ``torch.get_num_threads()`` > 1, as that many runs of rows at once (the last on
-    the calling thread); the calls' results in row order."""
-    parts = max(1, min(torch.get_num_threads(), rows * width // PARALLEL_VALUES, rows))
-    if parts == 1:
-        return [call(0, rows)]
-    bounds = [rows * i // parts for i in range(parts + 1)]
-    futures = [_pool().submit(call, a, b) for a, b in zip(bounds[:-2], bounds[1:-1])]
-    last = call(bounds[-2], bounds[-1])
-    return [f.result() for f in futures] + [last]
-
-
 def quantize_rows(x2: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, codec: str) -> None:
     """Quantize the float32 rows ``x2`` (one block each) into ``q_out``/``s_out``. A block that
     holds NaN or Inf gets a scale that is not finite, which ``quantize_blocks`` refuses, as on
     the torch path."""
     fn = kernels().ddiloco_quantize_int4 if codec == "int4" else kernels().ddiloco_quantize_int8
     rows, bs = x2.shape
-    x, q, s, qrow = x2.data_ptr(), q_out.data_ptr(), s_out.data_ptr(), q_out.shape[1] * q_out.element_size()
-    over_rows(lambda a, b: fn(x + 4 * a * bs, b - a, bs, q + a * qrow, s + 4 * a), rows, bs)
+    fn(x2.data_ptr(), rows, bs, q_out.data_ptr(), s_out.data_ptr())
 
 
 def topk_rows(x2: torch.Tensor, k: int) -> torch.Tensor | None:
@@ -172,11 +138,10 @@ def topk_rows(x2: torch.Tensor, k: int) -> torch.Tensor | None:
     ties toward the lower index (k < row width); None if a row holds NaN or Inf."""
     rows, width = x2.shape
     out = torch.empty((rows, k), dtype=torch.long)
-    x, o, fn = x2.data_ptr(), out.data_ptr(), kernels().ddiloco_topk_rows
-    rcs = over_rows(lambda a, b: fn(x + 4 * a * width, b - a, width, k, o + 8 * a * k), rows, width)
-    if 2 in rcs:
+    rc = kernels().ddiloco_topk_rows(x2.data_ptr(), rows, width, k, out.data_ptr())
+    if rc == 2:
         raise ValueError(f"topk_rows: a row of {width} values keeping {k} (at most 4096, 1 <= k < width)")
-    return None if any(rcs) else out
+    return out if rc == 0 else None
 
 
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -199,5 +164,4 @@ def dequantize_rows(q2: torch.Tensor, scale: torch.Tensor, o2: torch.Tensor, cod
     """The float32 rows ``o2`` that ``q2`` and ``scale`` encode."""
     fn = kernels().ddiloco_dequantize_int4 if codec == "int4" else kernels().ddiloco_dequantize_int8
     rows, bs = o2.shape
-    q, s, o, qrow = q2.data_ptr(), scale.data_ptr(), o2.data_ptr(), q2.shape[1] * q2.element_size()
-    over_rows(lambda a, b: fn(q + a * qrow, s + 4 * a, b - a, bs, o + 4 * a * bs), rows, bs)
+    fn(q2.data_ptr(), scale.data_ptr(), rows, bs, o2.data_ptr())
