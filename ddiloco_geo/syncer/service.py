@@ -18,9 +18,8 @@ syncer loads the newest global of each fragment and the state it names: cursors 
 deltas are accounted for, so none is merged twice; a delta is accounted for only by a published
 merge record or a rejection record, so none is dropped.
 
-Shutdown, in this order: stop intake (``request_stop``), drain (one last poll, merge everything
-pending even below quorum) within ``drain_timeout_s``, write the final status; :meth:`close` is
-idempotent. The caller owns the store and closes it after the syncer.
+Shutdown: stop intake (``request_stop``), drain (one last poll, merge everything pending even below
+quorum) within ``drain_timeout_s``, write the final status; :meth:`close` is idempotent; the caller closes the store.
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ class Syncer:
         self.counters: dict[str, Any] = {
             "deltas_seen": 0, "deltas_merged": 0, "deltas_superseded": 0, "deltas_rejected": 0,
             "rejected_by_reason": defaultdict(int), "versions_published": 0, "publish_races_lost": 0,
-            "merges": 0, "contributors_total": 0, "grace_s_total": 0.0, "contributions_clipped": 0,
+            "merges": 0, "contributors_total": 0, "grace_s_total": 0.0, "contributions_clipped": 0, "stale_contributions": 0,
         }
         self.last_merge: dict[int, dict[str, Any]] = {}
         self.registry = Registry()
@@ -271,6 +270,7 @@ class Syncer:
         self.counters["contributors_total"] += record["contributors"]
         self.counters["grace_s_total"] += grace
         self.counters["contributions_clipped"] += record["clipped"]
+        self.counters["stale_contributions"] += sum(1 for s in record["staleness"] if s > 0)
         self.ema_sync.update(self.now() - start)
         m = self.metrics
         m.deltas_merged_total.inc(len(entries) + num_superseded)

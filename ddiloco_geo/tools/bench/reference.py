@@ -168,6 +168,7 @@ def train_harness(settings, speeds: list[LearnerSpeed], *, seed: int, faults: li
             "merges": c["merges"], "mean_contributors": c["contributors_total"] / max(1, c["merges"]),
             "deltas_merged": c["deltas_merged"], "deltas_rejected": c["deltas_rejected"],
             "contributions_clipped": c.get("contributions_clipped", 0), "simulated_s": run.now,
+            "stale_share": c["stale_contributions"] / max(1, c["deltas_merged"]),
             "discarded_fragment_steps_ratio": run.discarded_ratio(), "out_of_step_ratio": run.out_of_step_ratio(),
         }
     finally:
