@@ -120,6 +120,9 @@ def test_stale_delta_is_anchored_at_the_current_global(tiny_run):
     for n in got:
         theta_b = base0[n] - stale_pg[n]
         torch.testing.assert_close(got[n], theta_b, rtol=1e-6, atol=1e-6)
+    # counted in status: one of the two merged deltas was on an older base than the version it joined
+    assert syncer.status()["counters"]["stale_contributions"] == 1
+    assert syncer.status()["counters"]["deltas_merged"] == 2
 
 
 def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_base(tiny_run):
