@@ -52,7 +52,7 @@ DEFAULT_EFFICIENCY = (
                "measured at a compute-optimal budget: bench convergence, arm 'adopt' at the defaults since stop 16 "
                "(int4, K=1+grace, keep_progress, aligned sends, inner lr 6e-3, learners of mixed speed, Nesterov "
                "0.4/0.9), M=4, H=24, 0.5M-parameter GPT, 10.2M tokens (20 per parameter), Shakespeare: dp_equivalent "
-               "0.635 on one machine, 0.68 on another (docs/benchmarks.md); the lower is the default. It was 0.51 at "
+               "0.635 on one machine, 0.69 on another (docs/benchmarks.md); the lower is the default. It was 0.51 at "
                "the stop-14 defaults and 0.72 at small scale (254k tokens, M=2)"),
 )
 
