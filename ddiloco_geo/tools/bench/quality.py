@@ -12,7 +12,7 @@ Trains the same model from the same initial weights on exactly the same tokens:
 Learners are heterogeneous as in the paper's hardware experiment: half at full speed, half 18%
 slower, all with 10% step-time jitter (simulated time, seeded). The global model (the outer
 parameters) is evaluated on the held-out slice; the figure of merit is
-``loss_ratio = ddiloco_eval_loss / dp_eval_loss`` (goal ≤ 1.02).
+``loss_ratio = ddiloco_eval_loss / dp_eval_loss`` (goal ≤ 1.05, issue #12).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         "dp_lr": base.learner.lr * dp_scale, "dp_by_lr": {f"{base.learner.lr * k:g}": v for k, v in dp_runs.items()},
         "ddiloco_eval_loss": main["eval_loss"] if main else None,
         "loss_ratio": main["loss_ratio"] if main else None,
-        "goal_loss_ratio": 1.02, "variants": results,
+        "goal_loss_ratio": 1.05, "variants": results,
     }
     if args.json:
         print(json.dumps(out, indent=1))
