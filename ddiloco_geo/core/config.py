@@ -133,13 +133,13 @@ class LearnerConfig(Section):
         "aligned", description="when fragment p is sent: 'aligned' timed to the syncer's merges, fragments.overlap steps "
         "before the next merge of p is expected (measured 2.8 points better at a compute-optimal budget); 'fixed' every H steps")
     adopt: Literal["overwrite", "keep_progress"] = Field(
-        "keep_progress", description="on a new global G of fragment p: 'overwrite' sets local_p = G (work since the last "
-        "delta was sent is lost); 'keep_progress' sets local_p = G + (local_p - ref_p), ref_p = local_p at the last "
-        "send (or the base at the last adoption if none since), keeping the unsent work")
+        "keep_progress", description="on a new global G of fragment p: 'overwrite' sets local_p = G (work since the last delta was sent is "
+        "lost); 'keep_progress' sets local_p = G + (local_p - ref_p), ref_p = local_p at the last send (or the base at the last adoption)")
     error_feedback: Literal["auto", "on", "off"] = Field(
-        "auto", description="'on': send the progress since the previous send (an increment) plus what the codec "
-        "dropped from earlier ones (a residual per fragment, kept in the exit checkpoint); the syncer applies "
-        "increments as they are. 'auto': on for run.codec=topk (which needs it), off otherwise")
+        "auto", description="'on': send the progress since the previous send (an increment) plus what the codec dropped from earlier "
+        "ones (a residual per fragment, kept in the exit checkpoint), applied by the syncer as is. 'auto': on for run.codec=topk only")
+    residual_decay: float = Field(0.95, gt=0, le=1, description="error feedback: the residual is scaled by this each time it "
+                                  "joins an increment (SparseLoCo's beta), so long-unsent values fade; 1 keeps all (top-k: 9.9 points worse)")
     checkpoint_on_exit: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
     upload_queue: int = Field(8, ge=1, description="deltas waiting for upload before the oldest is dropped and counted")
     poll_s: float = Field(0.5, gt=0, description="interval between polls for new global versions")

@@ -150,9 +150,9 @@ class Learner:
                                          compile=self.cfg.compile)
         if self.rank == 0:
             self.uploader = Uploader(self.store, self.spec, self.learner_id, maxsize=self.cfg.upload_queue,
-                                     codec_name=self.spec.codec, **self.spec.codec_args(self.spec.codec),
+                                     codec_name=self.spec.codec, **self.spec.codec_args(self.spec.codec), signer=self.signer,
                                      first_seq=protocol.next_delta_seq(self.store, self.learner_id, self.own_verifier),
-                                     inline=self.inline_io, metrics=self.metrics, signer=self.signer)
+                                     inline=self.inline_io, metrics=self.metrics, residual_decay=self.cfg.residual_decay)
             self.uploader.load_residuals(self.resumed_residual)
             self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
                                        dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled,

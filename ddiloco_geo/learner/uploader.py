@@ -10,8 +10,11 @@ response was lost (same bytes: done) or an earlier incarnation's (next sequence 
 **Increments with error feedback** (``learner.error_feedback``, on by default for ``topk``): an
 item marked ``increment`` carries the progress since the learner's previous send, not since its
 base. Before encoding, the fragment's residual (what the codec dropped from earlier increments) is
-added; after the write, the residual becomes that sum minus what the object decodes to, so the
-sum of everything decoded plus the residual is exactly the progress handed over. Queued increments
+added, scaled by ``learner.residual_decay`` (β, SparseLoCo's error-feedback decay: 0.95 by default);
+after the write, the residual becomes that sum minus what the object decodes to. With β = 1 the sum
+of everything decoded plus the residual is exactly the progress handed over; with β < 1 what stays
+unsent fades by β per send instead of piling up (measured for top-k at a compute-optimal budget:
+1.6281 against 1.7266 with β = 1, docs/benchmarks.md). Queued increments
 of one fragment are summed, not replaced; a dropped increment (queue full) is folded into the
 residual with its step and token counts, so it goes out with the fragment's next delta. The
 residuals live here, on the uploader's thread, and are saved in the learner's exit checkpoint
@@ -65,8 +68,8 @@ class Uploader:
 
     def __init__(self, store: Store, spec: protocol.RunSpec, learner: str, *, maxsize: int,
                  codec_name: str, block_size: int, first_seq: int, topk: int = 0, inline: bool = False,
-                 metrics: LearnerMetrics | None = None, signer: Any = None) -> None:
-        self.signer = signer
+                 metrics: LearnerMetrics | None = None, signer: Any = None, residual_decay: float = 1.0) -> None:
+        self.signer, self.residual_decay = signer, residual_decay
         self.store, self.spec, self.learner = store, spec, learner
         self.inline = inline
         self.metrics = metrics or learner_metrics(Registry())
@@ -176,7 +179,8 @@ class Uploader:
                 res = self.residual.get(item.fragment)
                 folded = self.residual_counts.get(item.fragment, (0, 0))
             if res is not None:
-                payload = dict(zip(payload, torch._foreach_add([payload[n] for n in payload], [res[n] for n in payload])))
+                payload = dict(zip(payload, torch._foreach_add([payload[n] for n in payload], [res[n] for n in payload],
+                                                               alpha=self.residual_decay)))
             steps, tokens = steps + folded[0], tokens + folded[1]
         while True:
             seq = self.next_seq

@@ -89,6 +89,29 @@ def test_increments_are_summed_in_the_queue_and_a_dropped_one_is_folded_into_the
     assert 2 not in got and set(up.residual[2]) and up.residual_counts[2] == (1, 64)  # f2 waits in the residual
 
 
+def test_residual_decay_scales_the_residual_each_time_it_joins_an_increment(tiny_run):
+    """learner.residual_decay = beta: the next send carries increment + beta * residual, and the new
+    residual is that minus what the object decodes to (beta = 1: the exact sum)."""
+    run = tiny_run(**{"run.codec": "topk"})
+    assert run.settings.learner.residual_decay == 0.95  # the default
+    gen = torch.Generator().manual_seed(3)
+    names = run.spec.plan.expect(1)
+    increments = [{n: torch.randn(s, generator=gen) for n, s in names.items()} for _ in range(3)]
+    for beta in (0.5, 1.0):
+        up = Uploader(run.store, run.spec, f"l{int(beta * 10)}", maxsize=4, codec_name="topk", block_size=64, topk=2,
+                      first_seq=0, inline=True, residual_decay=beta)
+        residual = {n: torch.zeros(s) for n, s in names.items()}
+        for i, inc in enumerate(increments):
+            up.submit(Outgoing(1, inc, 0, 1, 64, i + 1, 0.1, VectorClock(), True))
+            key = run.store.list(layout.deltas_dir(up.learner))[-1]
+            _, sent = codec.decode(run.store.get(key), kind="delta", run_id=run.spec.run_id)
+            for n in names:
+                expected = inc[n] + beta * residual[n] - sent[n]
+                torch.testing.assert_close(up.residual[1][n], expected, rtol=0, atol=1e-6)
+                assert float(sent[n].abs().max()) > 0 and float(expected.abs().max()) > 0  # top-k kept some, dropped some
+            residual = {n: t.clone() for n, t in up.residual[1].items()}
+
+
 def test_close_gives_up_at_the_deadline_and_joins_the_thread(tiny_run):
     run = tiny_run()
     gated = _GatedStore(run.store)
@@ -275,9 +298,10 @@ def test_a_malformed_index_reads_as_empty_and_is_replaced(tiny_run, body, caplog
 
 def test_error_feedback_sends_all_progress_and_its_residual_survives_a_restart(tiny_run):
     """run.codec=topk (error feedback on by default): every delta is an increment since the previous
-    send; what top-k dropped stays in a residual and goes out later, so everything decoded plus the
-    residual is exactly the progress made, and the residual comes back from the exit checkpoint."""
-    run = tiny_run(**{"run.codec": "topk"})
+    send; what top-k dropped stays in a residual and goes out later, so (with no residual decay)
+    everything decoded plus the residual is exactly the progress made, and the residual comes back
+    from the exit checkpoint."""
+    run = tiny_run(**{"run.codec": "topk", "learner.residual_decay": 1.0})
     run.syncer()
     start = {p: run.fragment_params(p, 0) for p in range(run.spec.plan.num_fragments)}
     first = _learner(run, max_steps=40)
