@@ -80,3 +80,15 @@ def test_speeds_and_jitter_override_the_arms_own(monkeypatch):
                            "args": {**args, "speeds": speeds, "jitter": jitter}})
     assert seen == [[LearnerSpeed(1.0, 0.1), LearnerSpeed(1.18, 0.1)],  # the async arm's own: mixed, 10% jitter
                     [LearnerSpeed(1.0, 0.1)] * 2, [LearnerSpeed(1.0, 0.0), LearnerSpeed(1.18, 0.0)]]
+
+
+@pytest.mark.unit
+def test_a_set_that_an_arm_fixes_is_refused_by_name_not_silently_overridden(capsys):
+    """``--arms adopt --set learner.adopt=overwrite`` would run keep_progress (the arm's own setting
+    wins): the study refuses it before any training, naming the key, the arm and its value."""
+    with pytest.raises(SystemExit) as err:
+        main(["bench", "convergence", "--arms", "lockstep,adopt", "--set", "learner.adopt=overwrite",
+              "--set", "syncer.outer_lr=0.5"])
+    message = str(err.value)
+    assert "learner.adopt" in message and "'adopt'" in message and "keep_progress" in message
+    assert "outer_lr" not in message  # a key no arm fixes is fine

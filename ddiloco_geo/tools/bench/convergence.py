@@ -187,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
     for a in arms:
         if a not in ARMS:
             raise SystemExit(f"unknown arm {a!r}: choose from {', '.join(ARMS)}")
+        fixed = sorted({item.split("=", 1)[0].strip() for item in args.overrides or []} & set(ARMS[a][1]))
+        if fixed:  # the arm's own setting would win silently: say so instead
+            raise SystemExit(f"--set {', '.join(fixed)}: arm {a!r} fixes it ({', '.join(f'{k}={ARMS[a][1][k]}' for k in fixed)}); "
+                             f"each rung of the ladder is defined by its settings: pick the arm that has the value, or leave {a!r} out")
     dp_scales = lr_scales(args.dp_lr_scales)
     ladder_M = max(Ms) if args.ladder_at == "max" else int(args.ladder_at)
     base = _settings(args, Ms[0], 1, {})
