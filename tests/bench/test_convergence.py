@@ -83,7 +83,7 @@ def test_speeds_and_jitter_override_the_arms_own(monkeypatch):
 
 
 @pytest.mark.unit
-def test_a_set_that_an_arm_fixes_is_refused_by_name_not_silently_overridden(capsys):
+def test_a_set_that_an_arm_fixes_is_refused_by_name_not_silently_overridden():
     """``--arms adopt --set learner.adopt=overwrite`` would run keep_progress (the arm's own setting
     wins): the study refuses it before any training, naming the key, the arm and its value."""
     with pytest.raises(SystemExit) as err:
