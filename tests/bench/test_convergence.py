@@ -92,3 +92,6 @@ def test_a_set_that_an_arm_fixes_is_refused_by_name_not_silently_overridden():
     message = str(err.value)
     assert "learner.adopt" in message and "'adopt'" in message and "keep_progress" in message
     assert "outer_lr" not in message  # a key no arm fixes is fine
+    with pytest.raises(SystemExit) as err:  # a key the study itself sets, for every arm
+        main(["bench", "convergence", "--arms", "lockstep", "--set", "model.name=small"])
+    assert "model.name" in str(err.value) and "--model" in str(err.value)

@@ -90,14 +90,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: the arm's: 0 for equal speeds, 0.1 for mixed)")
 
 
+# what the study sets itself, and the option a user sets it with instead of --set
+STUDY_KEYS = {"model.name": "--model", "learner.max_steps": "--horizons and --tokens-per-param",
+              "data.eval_batches": "nothing (32, the same eval set for every arm)", "learner.log_every": "nothing",
+              "local.learners": "--learners", "data.corpus": "--corpus"}
+
+
 def _settings(args: argparse.Namespace, M: int, steps: int, arm_settings: dict[str, Any]):
-    """The user's ``--set`` for every arm, then the study's and the arm's own settings on top."""
+    """The user's ``--set`` for every arm, then the study's and the arm's own settings on top
+    (``run`` refuses a ``--set`` of any of those keys, see ``_refuse_fixed``)."""
     flat = {"model.name": args.model, "learner.max_steps": steps, "data.eval_batches": 32,
             "learner.log_every": 10**6, "local.learners": M,
             **({"data.corpus": args.corpus} if args.corpus else {}),
             **{k: (M if v == "M" else v) for k, v in arm_settings.items()}}
     settings, _ = config.load(cli=config.overrides_tree(getattr(args, "overrides", None), flat))
     return settings
+
+
+def _refuse_fixed(overrides: list[str] | None, arm: str) -> None:
+    """A ``--set`` of a key the study or ``arm`` sets would lose silently (``_settings``): refuse it,
+    saying what to use instead."""
+    keys = {item.split("=", 1)[0].strip() for item in overrides or []}
+    study = sorted(keys & set(STUDY_KEYS))
+    if study:
+        raise SystemExit(f"--set {', '.join(study)}: the study sets it for every arm; use "
+                         f"{'; '.join(f'{STUDY_KEYS[k]} for {k}' for k in study)}")
+    fixed = sorted(keys & set(ARMS[arm][1]))
+    if fixed:
+        raise SystemExit(f"--set {', '.join(fixed)}: arm {arm!r} fixes it ({', '.join(f'{k}={ARMS[arm][1][k]}' for k in fixed)}); "
+                         f"each rung of the ladder is defined by its settings: pick the arm that has the value, or leave {arm!r} out")
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -187,10 +208,7 @@ def run(args: argparse.Namespace) -> int:
     for a in arms:
         if a not in ARMS:
             raise SystemExit(f"unknown arm {a!r}: choose from {', '.join(ARMS)}")
-        fixed = sorted({item.split("=", 1)[0].strip() for item in args.overrides or []} & set(ARMS[a][1]))
-        if fixed:  # the arm's own setting would win silently: say so instead
-            raise SystemExit(f"--set {', '.join(fixed)}: arm {a!r} fixes it ({', '.join(f'{k}={ARMS[a][1][k]}' for k in fixed)}); "
-                             f"each rung of the ladder is defined by its settings: pick the arm that has the value, or leave {a!r} out")
+        _refuse_fixed(args.overrides, a)
     dp_scales = lr_scales(args.dp_lr_scales)
     ladder_M = max(Ms) if args.ladder_at == "max" else int(args.ladder_at)
     base = _settings(args, Ms[0], 1, {})
