@@ -2,8 +2,8 @@
 
 A tensor of n values is flattened and cut into ``ceil(n / C)`` chunks of C = ``block_size``
 values (default 4096, at most 4096); the last chunk may be shorter (r values) and then keeps
-``min(k, r)``. Each chunk keeps the k = ``topk`` values (header field, default 64 per 4096, the
-density 1/64 for other chunks: ``max(1, C // 64)``) of
+``min(k, r)``. Each chunk keeps the k = ``topk`` values (header field, default 84 per 4096, the
+same density for other chunks: ``max(1, C * 84 // 4096)``) of
 largest magnitude, ties broken toward the lower index, so the choice is a function of the values
 alone. Each tensor's parts (K = the number of kept values over all chunks; ``codec.wire`` packs
 the parts of all tensors of an object into three stored tensors, ``topk:idx``/``topk:q``/``topk:scale``):
@@ -19,7 +19,7 @@ the parts of all tensors of an object into three stored tensors, ``topk:idx``/``
   once to float32), 0 if it kept none. The scaled sign is the least-squares one-level fit, and it
   keeps zeros zero (a chunk with fewer than k non-zeros must not invent values).
 
-At the defaults the wire is (64 * (12 + 2) + 32) / 4096 = 0.227 bits per value, 1/141 of fp32.
+At the defaults the wire is (84 * (12 + 2) + 32) / 4096 = 0.295 bits per value, 1/108 of fp32.
 Decode returns dense float32 with zeros where nothing was sent, and rejects (``CodecError
 ("codec")``) an index out of its chunk, indices not strictly ascending (duplicates), a reserved
 code and non-zero padding bits, so one set of values has exactly one encoding.
@@ -40,7 +40,7 @@ from ddiloco_geo.core.errors import CodecError
 
 DEFAULT_CHUNK = 4096
 MAX_CHUNK = 4096  # indices fit in 12 bits
-DEFAULT_TOPK = 64
+DEFAULT_TOPK = 84  # 64 (SparseLoCo's) until stop 20, which trained 4 points worse (docs/benchmarks.md)
 _LEVELS = torch.tensor([0.0, 1.0, 0.0, -1.0])  # code -> multiple of the chunk's scale (2 reserved)
 _CHUNK_ROWS = 256  # rows selected at a time on CPU: the abs() scratch stays in cache
 
@@ -62,8 +62,8 @@ def stored_sizes(numel: int, chunk: int, topk: int) -> tuple[int, int, int]:
 
 
 def resolve(block_size: int, topk: int) -> tuple[int, int]:
-    """(chunk, topk) for the header: 0 means the default (chunk 4096; topk ``max(1, chunk // 64)``,
-    64 per 4096 = 1.56%); ValueError for unusable values."""
+    """(chunk, topk) for the header: 0 means the default (chunk 4096; topk ``max(1, chunk * 84 // 4096)``,
+    84 per 4096 = 2.05%); ValueError for unusable values."""
     chunk = block_size or DEFAULT_CHUNK
     if type(chunk) is not int or not 2 <= chunk <= MAX_CHUNK:
         raise ValueError(f"topk block_size {chunk!r}: use a chunk of 2 to {MAX_CHUNK} values")

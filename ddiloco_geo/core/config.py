@@ -215,8 +215,8 @@ class RunConfig(Section):
     quant_block: int = Field(128, ge=8, description="quantization block of the int8/int4 codecs (values per scale)")
     topk_chunk: int = Field(4096, ge=2, le=4096, description="topk codec (deltas, and update objects with "
                             "syncer.update_codec=topk): values per chunk; each kept index takes bit_length(chunk - 1) bits")
-    topk_keep: int = Field(64, ge=1, description="topk codec: values kept per chunk (64 of 4096 = 1.56%: about 0.23 "
-                           "bits per value on the wire, 1/141 of fp32)")
+    topk_keep: int = Field(84, ge=1, description="topk codec: values kept per chunk (84 of 4096 = 2.05%: about 0.30 "
+                           "bits per value on the wire, 1/108 of fp32)")
 
     @model_validator(mode="after")
     def _topk(self) -> "RunConfig":

@@ -98,9 +98,9 @@ class RunSpec:
                 run_id=d["run_id"], model=d["model"], plan=plan, sync_every=int(d["sync_every"]),
                 overlap=int(d["overlap"]), codec=d["codec"],
                 quant_block=quant_block,
-                # runs before 2026-12-02 cut top-k chunks at the quantization block
+                # runs before 2026-12-02 cut top-k chunks at the quantization block and kept 1/64
                 topk_chunk=int(d.get("topk_chunk", quant_block)),
-                topk_keep=int(d.get("topk_keep", max(1, quant_block * DEFAULT_TOPK // DEFAULT_CHUNK))),
+                topk_keep=int(d.get("topk_keep", max(1, quant_block // 64))),
             )
         except (KeyError, TypeError, ValueError, CodecError) as exc:
             raise ConfigError(f"run.json is malformed ({exc}); was it written by ddiloco-geo?") from None

@@ -92,9 +92,9 @@ def test_ties_zeros_and_few_nonzeros_follow_the_reference():
 
 def test_defaults_and_density():
     h, _ = codec.decode(codec.encode({"w": randn(10_000)}, header(), codec="topk"))
-    assert (h.block_size, h.topk) == (codec.DEFAULT_CHUNK, codec.DEFAULT_TOPK) == (4096, 64)
+    assert (h.block_size, h.topk) == (codec.DEFAULT_CHUNK, codec.DEFAULT_TOPK) == (4096, 84)
     h, _ = codec.decode(codec.encode({"w": randn(10_000)}, header(), codec="topk", block_size=1024))
-    assert h.topk == 16  # the default density, 1/64
+    assert h.topk == 21  # the default density, 84 per 4096
     h, _ = codec.decode(codec.encode({"w": randn(100)}, header(codec="topk", block_size=16, topk=3)))
     assert (h.block_size, h.topk) == (16, 3)
     for bad in ({"block_size": 4097}, {"block_size": 1}, {"block_size": 16, "topk": 17}, {"topk": -1}):
@@ -117,7 +117,7 @@ def test_wire_is_under_a_hundredth_of_fp32_on_a_realistic_fragment():
     data = codec.encode(tensors, header(), codec="topk")
     assert len(data) / fp32_bytes <= 1 / 100
     kept = sum(int((t != 0).sum()) for t in codec.decode(data)[1].values())
-    assert kept == sum((t.numel() // 4096) * 64 + min(64, t.numel() % 4096) for t in tensors.values())
+    assert kept == sum((t.numel() // 4096) * 84 + min(84, t.numel() % 4096) for t in tensors.values())
 
 
 def test_nonfinite_input_is_refused():

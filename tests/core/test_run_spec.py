@@ -23,7 +23,7 @@ def test_top_k_settings_are_recorded_and_used_for_the_top_k_codec_only():
     assert back.codec_args("topk") == {"block_size": 1024, "topk": 8}
     assert back.codec_args("int4") == {"block_size": 128}  # update objects of a top-k run stay blockwise
     default, _ = _spec(codec="topk")
-    assert default.codec_args("topk") == {"block_size": 4096, "topk": 64}  # SparseLoCo's 64 of 4096
+    assert default.codec_args("topk") == {"block_size": 4096, "topk": 84}  # 84 of 4096 (SparseLoCo: 64)
 
 
 def test_a_run_json_without_top_k_settings_keeps_the_chunk_it_was_written_with():
@@ -47,7 +47,7 @@ def test_a_run_json_with_unusable_top_k_settings_is_a_clear_error(fields):
 def test_a_process_must_match_a_top_k_runs_chunk_and_count():
     spec, settings = _spec(codec="topk")
     spec.check_settings(settings.run)
-    with pytest.raises(ConfigError, match=r"run.topk_keep=16 but the run uses 64"):
+    with pytest.raises(ConfigError, match=r"run.topk_keep=16 but the run uses 84"):
         spec.check_settings(config.RunConfig(codec="topk", topk_keep=16))
     int4, _ = _spec()
     int4.check_settings(config.RunConfig(topk_keep=16))  # irrelevant to an int4 run

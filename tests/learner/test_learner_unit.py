@@ -314,7 +314,7 @@ def test_error_feedback_sends_all_progress_and_its_residual_survives_a_restart(t
     for key in run.store.list(layout.deltas_dir("l0")):
         header, tensors = codec.decode(run.store.get(key), kind="delta", run_id=run.spec.run_id)
         assert header.extra["increment"] is True
-        assert (header.block_size, header.topk) == (run.spec.topk_chunk, run.spec.topk_keep) == (4096, 64)
+        assert (header.block_size, header.topk) == (run.spec.topk_chunk, run.spec.topk_keep) == (4096, 84)
         steps[header.fragment] += header.num_steps
         for n, t in tensors.items():
             sent[header.fragment][n] += t

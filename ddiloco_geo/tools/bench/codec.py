@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="window of interleaved rounds the medians and spreads are taken over (default 5)")
     p.add_argument("--budget-s", type=float, default=30.0,
                    help="seconds per codec to bring the memcpy baseline's spread under 5%% (default 30)")
-    p.add_argument("--topk", type=int, default=0, help="topk: values kept per chunk (default: 64 per 4096)")
+    p.add_argument("--topk", type=int, default=0, help="topk: values kept per chunk (default: 84 per 4096)")
     p.add_argument("--block-size", type=int, default=codec.DEFAULT_BLOCK_SIZE,
                    help=f"int8/int4 block size (default {codec.DEFAULT_BLOCK_SIZE}; topk uses its chunk "
                         f"of {codec.DEFAULT_CHUNK} unless another size is given)")  # fmt: skip

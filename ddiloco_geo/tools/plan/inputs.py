@@ -32,7 +32,7 @@ from ddiloco_geo.core.config import GcConfig, LearnerConfig, SyncerConfig
 from ddiloco_geo.core.errors import ConfigError
 
 # wire bytes per parameter, headers/scales/indices included: docs/benchmarks.md "Codec" (wire_ratio × 4)
-CODEC_BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 4 * 0.25793, "int4": 4 * 0.13292, "topk": 4 * 0.00723}
+CODEC_BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 4 * 0.25793, "int4": 4 * 0.13292, "topk": 4 * 0.00929}
 # docs/benchmarks.md "Syncer throughput": MB of fp32 deltas merged per second per core
 SYNCER_MB_PER_S_PER_CORE = 158.0
 
