@@ -40,7 +40,7 @@ from ddiloco_geo.core.errors import CodecError
 
 DEFAULT_CHUNK = 4096
 MAX_CHUNK = 4096  # indices fit in 12 bits
-DEFAULT_TOPK = 84  # 64 (SparseLoCo's) until stop 20, which trained 4 points worse (docs/benchmarks.md)
+DEFAULT_TOPK = 84  # 64 (SparseLoCo's) until stop 20, which trained about 3 points worse (docs/benchmarks.md)
 _LEVELS = torch.tensor([0.0, 1.0, 0.0, -1.0])  # code -> multiple of the chunk's scale (2 reserved)
 _CHUNK_ROWS = 256  # rows selected at a time on CPU: the abs() scratch stays in cache
 
