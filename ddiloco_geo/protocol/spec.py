@@ -56,11 +56,12 @@ class RunSpec:
         """A process's ``run`` settings must match the run it joins (never silently ignored); the
         top-k settings only in a top-k run."""
         keys = ("codec", "quant_block") + (("topk_chunk", "topk_keep") if self.codec == "topk" else ())
-        mismatched = [f"run.{k}={getattr(run_cfg, k)!r} but the run uses {getattr(self, k)!r}"
-                      for k in keys if getattr(run_cfg, k) != getattr(self, k)]
-        if mismatched:
-            raise ConfigError(f"this process's settings disagree with run {self.run_id} ({'; '.join(mismatched)}): "
-                              "start it with the run's settings (see its run.json)")
+        wrong = [k for k in keys if getattr(run_cfg, k) != getattr(self, k)]
+        if wrong:
+            mismatched = "; ".join(f"run.{k}={getattr(run_cfg, k)!r} but the run uses {getattr(self, k)!r}" for k in wrong)
+            fix = " ".join(f"--set run.{k}={getattr(self, k)}" for k in wrong)
+            raise ConfigError(f"this process's settings disagree with run {self.run_id} ({mismatched}): start it with "
+                              f"the run's settings (its run.json), e.g. {fix}")
 
     def to_json(self) -> str:
         return json.dumps(

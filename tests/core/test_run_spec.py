@@ -51,5 +51,9 @@ def test_a_process_must_match_a_top_k_runs_chunk_and_count():
         spec.check_settings(config.RunConfig(codec="topk", topk_keep=16))
     int4, _ = _spec()
     int4.check_settings(config.RunConfig(topk_keep=16))  # irrelevant to an int4 run
+    # a top-k run started before the default became 84 recorded 64: a default process is told the flag
+    old, _ = _spec(codec="topk", topk_keep=64)
+    with pytest.raises(ConfigError, match=r"run.topk_keep=84 but the run uses 64.*--set run.topk_keep=64"):
+        old.check_settings(config.RunConfig(codec="topk"))
     with pytest.raises(ValueError, match="topk_keep=300 exceeds run.topk_chunk=256"):
         config.RunConfig(topk_chunk=256, topk_keep=300)
