@@ -54,7 +54,7 @@ from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import CodecError, NotFoundError, StorageError
 from ddiloco_geo.core.signing import sign_record
 from ddiloco_geo.storage import Store
-from ddiloco_geo.syncer.state import Ema, FragmentState, PendingDelta
+from ddiloco_geo.syncer.state import FragmentState, PendingDelta, StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +81,21 @@ class Fetched:
 class Intake:
     """Listing cursors, fetch, validation, rejection records and quarantine for one syncer.
 
-    ``fragments`` (owned fragment -> state), ``counters``, ``metrics`` and ``ema_step`` are the
+    ``fragments`` (owned fragment -> state), ``counters``, ``metrics`` and ``step_times`` are the
     syncer's own objects, shared by reference.
     """
 
     def __init__(self, store: Store, spec: protocol.RunSpec, fragments: dict[int, FragmentState], *,
                  max_staleness: int, max_norm_ratio: float, max_deltas_per_min: int, quarantine_after: int,
                  fetch_concurrency: int, verifier: Any, require_signatures: bool, counters: dict[str, Any],
-                 metrics: Any, ema_step: Ema, now: Callable[[], float], signer: Any = None,
+                 metrics: Any, step_times: StepTimes, now: Callable[[], float], signer: Any = None,
                  max_seq_ahead: int = MAX_SEQ_AHEAD) -> None:
         self.store, self.spec, self.plan, self.fragments = store, spec, spec.plan, fragments
         self.max_staleness, self.max_norm_ratio = max_staleness, max_norm_ratio
         self.max_deltas_per_min, self.quarantine_after = max_deltas_per_min, quarantine_after
         self.fetch_concurrency, self.max_seq_ahead = fetch_concurrency, max_seq_ahead
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
-        self.counters, self.metrics, self.ema_step, self.now = counters, metrics, ema_step, now
+        self.counters, self.metrics, self.step_times, self.now = counters, metrics, step_times, now
         self.recent: dict[str, deque] = defaultdict(deque)  # learner -> arrival times (rate limit)
         self.strikes: dict[str, int] = defaultdict(int)  # learner -> provable rejections in a row
         self.quarantined: set[str] = set()
@@ -284,7 +284,7 @@ class Intake:
             return
         step_s = header.extra.get("step_s")
         if isinstance(step_s, (int, float)) and 0 < step_s < 3600:
-            self.ema_step.update(float(step_s))
+            self.step_times.update(dk.learner, float(step_s))
         self.strikes[dk.learner] = 0
         now = self.now()
         if not state.pending:

@@ -31,7 +31,7 @@ from ddiloco_geo.core import merge
 from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.merge import anchor
 from ddiloco_geo.core.outer import OuterOptimizer, merge_and_step
-from ddiloco_geo.syncer.state import Ema, FragmentState, PendingDelta
+from ddiloco_geo.syncer.state import Ema, FragmentState, PendingDelta, StepTimes
 
 
 @dataclass
@@ -43,12 +43,12 @@ class RoundPolicy:
     merge_spacing: float
     overlap: int        # τ
     sync_every: int     # H
-    ema_step: Ema
+    step_times: StepTimes
     ema_quorum: Ema
     ema_sync: Ema
 
     def grace_s(self) -> float:
-        slack = self.overlap * self.ema_step.get() - self.ema_quorum.get() - self.ema_sync.get()
+        slack = self.overlap * self.step_times.get() - self.ema_quorum.get() - self.ema_sync.get()
         return self.grace_gamma * max(0.0, slack)
 
     def ready(self, state: FragmentState, now: float, draining: bool = False,
@@ -68,7 +68,7 @@ class RoundPolicy:
                 on_quorum(waited)
         if now < state.quorum_s + self.grace_s():
             return False
-        spacing = self.merge_spacing * self.sync_every * self.ema_step.get()
+        spacing = self.merge_spacing * self.sync_every * self.step_times.get()
         return state.last_merge_s is None or now >= state.last_merge_s + spacing
 
 

@@ -47,7 +47,7 @@ from ddiloco_geo.protocol.verified import record_forged
 from ddiloco_geo.storage import Store
 from ddiloco_geo.syncer.intake import Intake
 from ddiloco_geo.syncer.rounds import RoundPolicy, build_merge, merged_bases, select_contributors
-from ddiloco_geo.syncer.state import Ema, FragmentState, load_fragment
+from ddiloco_geo.syncer.state import Ema, FragmentState, StepTimes, load_fragment
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,9 @@ class Syncer:
         self.now = now
         self.owned = [p for p in range(self.plan.num_fragments) if p % self.num_shards == self.shard_index]
         self.fragments: dict[int, FragmentState] = {}
-        self.ema_step, self.ema_quorum, self.ema_sync = Ema(ema_decay), Ema(ema_decay), Ema(ema_decay)
+        self.step_times, self.ema_quorum, self.ema_sync = StepTimes(ema_decay, spec.sync_every, now), Ema(ema_decay), Ema(ema_decay)
         self.policy = RoundPolicy(quorum, grace_gamma, merge_spacing, spec.overlap, spec.sync_every,
-                                  self.ema_step, self.ema_quorum, self.ema_sync)
+                                  self.step_times, self.ema_quorum, self.ema_sync)
         self.counters: dict[str, Any] = {
             "deltas_seen": 0, "deltas_merged": 0, "deltas_superseded": 0, "deltas_rejected": 0,
             "rejected_by_reason": defaultdict(int), "versions_published": 0, "publish_races_lost": 0,
@@ -124,7 +124,7 @@ class Syncer:
             store, spec, self.fragments, max_staleness=max_staleness, max_norm_ratio=max_norm_ratio,
             max_deltas_per_min=max_deltas_per_min, quarantine_after=quarantine_after,
             fetch_concurrency=fetch_concurrency, verifier=verifier, require_signatures=require_signatures,
-            counters=self.counters, metrics=self.metrics, ema_step=self.ema_step, now=now, signer=signer,
+            counters=self.counters, metrics=self.metrics, step_times=self.step_times, now=now, signer=signer,
             max_seq_ahead=max_seq_ahead)
         self.stopping = False
         self.draining = False
@@ -364,7 +364,7 @@ class Syncer:
             "time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "ready_at": self.ready_at,
             "versions": {str(p): s.version for p, s in self.fragments.items()},
             "pending": {str(p): len(s.pending) for p, s in self.fragments.items() if s.pending},
-            "ema_step_s": self.ema_step.get(), "ema_quorum_s": self.ema_quorum.get(),
+            "ema_step_s": self.step_times.get(), "ema_quorum_s": self.ema_quorum.get(),
             "ema_sync_s": self.ema_sync.get(), "grace_gamma": self.policy.grace_gamma,
             "counters": c, "last_merge": {str(p): m for p, m in self.last_merge.items()},
             "storage": self.store.stats.snapshot(),

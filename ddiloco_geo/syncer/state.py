@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -83,6 +83,35 @@ class Ema:
 
     def get(self, default: float = 0.0) -> float:
         return default if self.value is None else self.value
+
+
+class StepTimes:
+    """The learners' step time ξ_step, which sets the merge spacing (H · ξ_step) and the grace window.
+
+    Each learner's own EMA of the ``step_s`` its deltas carry, combined as the **median over the
+    learners heard from lately** (within ``live_periods`` fragment periods of their own step time,
+    so a learner that stopped drops out; all known learners if none is). One EMA over every header
+    in arrival order swings with whichever learner sent last: with half the learners 18% slower it
+    moved the merge period by about ±1.3 s of 26 (standard deviation), and the slower learners'
+    aligned sends, two steps before the expected merge, missed about one merge in ten. The median
+    per learner holds still, and one learner (a bad clock, a liar) cannot move it for the others.
+    """
+
+    def __init__(self, decay: float, sync_every: int, now: Callable[[], float], live_periods: float = 3.0) -> None:
+        self.decay, self.window_steps, self.now = decay, live_periods * sync_every, now
+        self.per: dict[str, Ema] = {}
+        self.seen: dict[str, float] = {}
+
+    def update(self, learner: str, step_s: float) -> None:
+        self.per.setdefault(learner, Ema(self.decay)).update(step_s)
+        self.seen[learner] = self.now()
+
+    def get(self, default: float = 0.0) -> float:
+        if not self.per:
+            return default
+        now = self.now()
+        live = [e.get() for name, e in self.per.items() if now - self.seen[name] <= self.window_steps * e.get()]
+        return statistics.median(live or [e.get() for e in self.per.values()])
 
 
 def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: int, *,

@@ -60,7 +60,7 @@ def test_quorum_waits_for_k_distinct_learners(tiny_run):
 def test_grace_window_spends_only_the_slack(tiny_run):
     run = tiny_run(**{"syncer.grace_gamma": 0.5})
     syncer = run.syncer()
-    syncer.ema_step.value = 1.0  # learners take 1 s per step; tau = 2 -> slack 2 s, grace 1 s
+    syncer.step_times.update("a", 1.0)  # learners take 1 s per step; tau = 2 -> slack 2 s, grace 1 s
     run.write_delta("a", 1)
     poll(syncer)
     state = syncer.fragments[1]
@@ -75,7 +75,8 @@ def test_grace_window_spends_only_the_slack(tiny_run):
     head = protocol.read_header(run.store, layout.global_key(1, 1))
     assert head.extra["contributors"] == 2
     # without slack there is no window at all
-    syncer.ema_step.value = 0.1
+    syncer.step_times.update("c", 0.1)  # the median of the learners' step times: now 0.1 s
+    syncer.step_times.update("d", 0.1)
     syncer.ema_sync.value = 0.5
     assert syncer.grace_s(state) == 0.0
 
@@ -414,7 +415,7 @@ def test_sharded_syncers_run_side_by_side(tiny_run):
 def test_merge_spacing_keeps_one_merge_per_fragment_period(tiny_run):
     run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.merge_spacing": 1.0})
     syncer = run.syncer()
-    syncer.ema_step.value = 1.0  # H = 4 steps of 1 s: one merge of a fragment per 4 s
+    syncer.step_times.update("a", 1.0)  # H = 4 steps of 1 s: one merge of a fragment per 4 s
     run.write_delta("a", 0)
     poll(syncer)
     assert syncer.merge_ready() == 1  # the first merge is not held back
@@ -430,6 +431,36 @@ def test_merge_spacing_keeps_one_merge_per_fragment_period(tiny_run):
     assert syncer.merge_ready() == 1
     rec = protocol.read_header(run.store, layout.global_key(0, 2)).extra
     assert rec["contributors"] == 2  # b and c gathered into one merge
+
+
+def test_step_time_is_the_median_of_each_learners_own_and_forgets_the_gone():
+    """ξ_step (merge spacing, grace) holds still when learners of different speeds send in turn, one
+    learner cannot move it far, and a learner that stopped sending drops out of it."""
+    from ddiloco_geo.syncer.state import Ema, StepTimes
+    clock = {"t": 0.0}
+    times, single = StepTimes(0.8, 4, lambda: clock["t"]), Ema(0.8)
+    seen_times, seen_single = [], []
+    for i in range(40):  # two learners at 1.0 s a step, two 18% slower, sending in turn
+        name, step_s = [("f1", 1.0), ("s1", 1.18), ("f2", 1.0), ("s2", 1.18)][i % 4]
+        clock["t"] += 0.3
+        times.update(name, step_s)
+        single.update(step_s)
+        if i >= 4:
+            seen_times.append(times.get())
+            seen_single.append(single.get())
+    assert max(seen_times) - min(seen_times) < 1e-9 and seen_times[-1] == pytest.approx(1.09)
+    assert max(seen_single) - min(seen_single) > 0.05  # one EMA over every header swings with the last sender
+    times.update("liar", 3000.0)
+    assert times.get() == pytest.approx(1.18)  # the median moves to the next honest value, no further
+    for _ in range(30):  # the fast learners and the liar stop; the slow ones go on for 3 periods and more
+        clock["t"] += 1.18
+        times.update("s1", 1.18)
+        times.update("s2", 1.18)
+    assert times.get() == pytest.approx(1.18)
+    gone = StepTimes(0.8, 4, lambda: clock["t"])
+    gone.update("a", 2.0)
+    clock["t"] += 1000.0  # nobody heard from lately: the last known estimate, not zero
+    assert gone.get() == pytest.approx(2.0) and StepTimes(0.8, 4, lambda: 0.0).get(5.0) == 5.0
 
 
 def test_replayed_and_backwards_deltas_are_rejected(tiny_run):
