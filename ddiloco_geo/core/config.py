@@ -138,8 +138,8 @@ class LearnerConfig(Section):
     error_feedback: Literal["auto", "on", "off"] = Field(
         "auto", description="'on': send the progress since the previous send (an increment) plus what the codec dropped from earlier "
         "ones (a residual per fragment, kept in the exit checkpoint), applied by the syncer as is. 'auto': on for run.codec=topk only")
-    residual_decay: float = Field(0.95, gt=0, le=1, description="error feedback: the residual is scaled by this each time it "
-                                  "joins an increment (SparseLoCo's beta), so long-unsent values fade; 1 keeps all (top-k: ~10 points worse, 2 seeds)")
+    residual_decay: float = Field(0.9, gt=0, le=1, description="error feedback: the residual is scaled by this each time it "
+                                  "joins an increment (SparseLoCo's beta), so long-unsent values fade; 1 keeps all (top-k: ~10 points worse than 0.95, which is 1.5-3 worse than 0.9)")
     checkpoint_on_exit: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
     upload_queue: int = Field(8, ge=1, description="deltas waiting for upload before the oldest is dropped and counted")
     poll_s: float = Field(0.5, gt=0, description="interval between polls for new global versions")
@@ -161,7 +161,7 @@ class LearnerConfig(Section):
 class SyncerConfig(Section):
     quorum: int = Field(1, ge=1, description="minimum learners K before a fragment is merged")
     grace_gamma: float = Field(0.5, ge=0, lt=1, description="share of the slack spent waiting for stragglers (0 disables)")
-    ema_decay: float = Field(0.8, gt=0, lt=1, description="EMA weight on the old value for timings")
+    ema_decay: float = Field(0.8, gt=0, lt=1, description="EMA weight on the old value for timings (step times: one EMA per learner, their median)")
     outer_lr: float = Field(0.4, gt=0, description="outer learning rate (1.0 with momentum 0 is plain averaging). 0.4 "
                             "with Nesterov 0.9 (Streaming DiLoCo's) measured best for Decoupled DiLoCo at a compute-optimal "
                             "budget on two seeds; plain averaging wins only in short runs (docs/benchmarks.md). In a "
