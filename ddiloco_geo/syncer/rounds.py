@@ -5,8 +5,9 @@ Decoupled DiLoCo (arXiv 2604.21428), per fragment p:
 1. **quorum**: at least K distinct learners have a pending delta (ξ_quorum = time from the first
    pending delta to quorum, EMA-smoothed);
 2. **adaptive grace window** ξ_grace = γ · max(0, τ·ξ_step − ξ_quorum − ξ_sync): stragglers join only
-   inside the slack the learners' τ-step overlap leaves (ξ_step from the step times in delta
-   headers, ξ_sync the time a merge and publish take);
+   inside the slack the learners' τ-step overlap leaves (ξ_step: the median of each learner's EMA of
+   the step times in its delta headers, :class:`~ddiloco_geo.syncer.state.StepTimes`; ξ_sync the
+   time a merge and publish take);
 3. **merge spacing**: at most one merge of a fragment per ``merge_spacing`` fragment periods
    (H · ξ_step). With K = 1 and learners whose step counts drift apart, merging each arrival alone
    steps the outer Nesterov optimizer M times a period with single contributors, which over-drives
