@@ -139,7 +139,7 @@ class LearnerConfig(Section):
         "auto", description="'on': send the progress since the previous send (an increment) plus what the codec dropped from earlier "
         "ones (a residual per fragment, kept in the exit checkpoint), applied by the syncer as is. 'auto': on for run.codec=topk only")
     residual_decay: float = Field(0.9, gt=0, le=1, description="error feedback: the residual is scaled by this each time it "
-                                  "joins an increment (SparseLoCo's beta), so long-unsent values fade; 1 keeps all (top-k: ~10 points worse than 0.95, which is 1.5-3 worse than 0.9)")
+                                  "joins an increment (SparseLoCo's beta), so long-unsent values fade; 1 keeps all (top-k: ~10 points worse than 0.95; 0.9 beat 0.95 by 1.4-3.1 on 3 seeds)")
     checkpoint_on_exit: bool = Field(True, description="write a learner checkpoint (inner optimizer, data cursor, counters) on exit")
     upload_queue: int = Field(8, ge=1, description="deltas waiting for upload before the oldest is dropped and counted")
     poll_s: float = Field(0.5, gt=0, description="interval between polls for new global versions")

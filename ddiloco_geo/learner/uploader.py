@@ -14,8 +14,8 @@ added, scaled by ``learner.residual_decay`` (β, SparseLoCo's error-feedback dec
 after the write, the residual becomes that sum minus what the object decodes to. With β = 1 the sum
 of everything decoded plus the residual is exactly the progress handed over; with β < 1 what stays
 unsent fades by β per send instead of piling up (measured for top-k at a compute-optimal budget:
-β = 0.95 1.6281 and 1.6451 against 1.7266 and 1.7469 with β = 1, and β = 0.9 1.5 to 3.1 points better than
-0.95 on each seed measured: docs/benchmarks.md). Queued increments
+β = 0.95 1.6281 and 1.6451 against 1.7266 and 1.7469 with β = 1, and β = 0.9 1.4 to 3.1 points better than
+0.95 on each of three seeds: docs/benchmarks.md). Queued increments
 of one fragment are summed, not replaced; a dropped increment (queue full) is folded into the
 residual with its step and token counts, so it goes out with the fragment's next delta. The
 residuals live here, on the uploader's thread, and are saved in the learner's exit checkpoint

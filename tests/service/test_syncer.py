@@ -452,7 +452,9 @@ def test_step_time_is_the_median_of_each_learners_own_and_forgets_the_gone():
     assert max(seen_single) - min(seen_single) > 0.05  # one EMA over every header swings with the last sender
     times.update("liar", 3000.0)
     assert times.get() == pytest.approx(1.18)  # the median moves to the next honest value, no further
-    for _ in range(30):  # the fast learners and the liar stop; the slow ones go on for 3 periods and more
+    # the fast learners stop and drop out after 3 periods of their own steps; the liar's claimed step time sets
+    # its own window, so it stays in the median, outvoted by the two honest learners that go on
+    for _ in range(30):
         clock["t"] += 1.18
         times.update("s1", 1.18)
         times.update("s2", 1.18)
