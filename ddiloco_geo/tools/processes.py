@@ -36,6 +36,7 @@ class Child:
     log_path: Path
     argv: list[str]
     started: float
+    log_offset: int = 0                 # the log's size when this process started: logs are appended to
     exit_time: float | None = None
     _reaped: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -56,6 +57,14 @@ class Child:
     def send_signal(self, sig: signal.Signals) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(sig)
+
+    def log_text(self) -> str:
+        """What this process has written to its log. The file is appended to, so it may also hold
+        earlier processes' output (an earlier run in the same directory, an earlier incarnation):
+        a reader looking for this process's lines must not see theirs."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_offset)
+            return f.read().decode(errors="replace")
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Wait for the exit (``subprocess.TimeoutExpired`` after ``timeout_s``); the exit time is
@@ -87,9 +96,10 @@ def start(name: str, args: list[str], *, log_path: Path, env: Mapping[str, str],
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", module, *args]
     with open(log_path, "ab") as logfile:
+        offset = os.fstat(logfile.fileno()).st_size
         popen = subprocess.Popen(argv, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=dict(env), cwd=cwd)
-    child = Child(name=name, popen=popen, log_path=log_path, argv=argv, started=time.time())
+    child = Child(name=name, popen=popen, log_path=log_path, argv=argv, started=time.time(), log_offset=offset)
     threading.Thread(target=_reap, args=(child,), daemon=True, name=f"reap-{name}").start()
     log.debug("process_started name=%s pid=%d argv=%s", name, popen.pid, argv)
     return child

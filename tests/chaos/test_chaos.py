@@ -352,3 +352,18 @@ def test_sigterm_stops_every_process_the_run_started(tmp_path):
                 os.kill(p, signal.SIGKILL)
         proc.wait(timeout=30)
         log.close()
+
+
+def test_a_process_reads_only_its_own_lines_of_an_appended_log(tmp_path):
+    # logs are appended: a second `chaos` in the same --out (its default ./chaos-out) found the first
+    # run's `syncer_ready` in a new syncer's log, took it as started before it had read a fragment,
+    # SIGTERMed it before its handler was installed (a "failed" process) and counted its real start-up
+    # as a stall (seed 24, stop 22)
+    from ddiloco_geo.tools import processes
+    log_path = tmp_path / "syncer.log"
+    log_path.write_text("an earlier run: syncer_ready shard=0/1\n")
+    child = processes.start("zen", [], log_path=log_path, env=os.environ, module="this")
+    assert child.wait(timeout_s=deadline(60)) == 0
+    assert "syncer_ready" in log_path.read_text()  # the file still holds the earlier run's line
+    mine = child.log_text()
+    assert "syncer_ready" not in mine and "Beautiful is better than ugly" in mine

@@ -223,7 +223,7 @@ class Supervisor:
         for p in self.procs:
             if p.role == "syncer" and p.ready_at is None and p.exit_time is None:
                 try:
-                    if "syncer_ready" in p.log_path.read_text(errors="replace"):
+                    if "syncer_ready" in p.child.log_text():  # not an earlier run's line in the same file
                         p.ready_at = time.time()
                         self._event("ready", p.target, p)
                 except OSError:
