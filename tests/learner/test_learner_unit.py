@@ -354,8 +354,8 @@ def test_run_schedule_reads_steps_from_merges_and_takes_the_mean():
 def test_with_the_run_schedule_learners_of_different_speeds_anneal_together_and_stop_at_the_runs_budget():
     """learner.schedule=run: a learner three times faster than the other takes about three times
     the steps, both follow the mean on the learning-rate schedule, and the run stops when the two
-    together have taken 2 x max_steps (within a sync period of lag); with the default 'own'
-    schedule each takes max_steps."""
+    together have taken 2 x max_steps (within a sync period of lag; the default since stop 22);
+    with 'own' each takes max_steps."""
     from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
     from tests.service.conftest import tiny_settings
 
