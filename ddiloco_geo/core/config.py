@@ -124,7 +124,7 @@ class LearnerConfig(Section):
     max_time_s: float | None = Field(None, gt=0)
     alpha: float = Field(0.0, ge=0, lt=1, description="mixing factor on adoption: local = alpha*local + (1-alpha)*global; 0 overwrites")
     follow_run: bool = Field(False, description="a joining or restarted learner starts its learning-rate schedule (and its "
-                             "count toward max_steps) at the run's progress (the newest merge records), not at 0 or its checkpoint's")
+                             "count toward max_steps) at the run's progress (newest merge records), not 0 or its checkpoint's; always with schedule=run")
     schedule: Literal["own", "run"] = Field(
         "run", description="place on the lr schedule and toward max_steps: 'run', the median of the run's learners' latest "
         "steps (from the merges it downloads): learners of different speeds anneal together, the run stops after M x "

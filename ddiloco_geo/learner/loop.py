@@ -128,7 +128,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         self.resumed_from = self._resume(index)
-        if self.cfg.follow_run:
+        if self.cfg.follow_run or self.cfg.schedule == "run":  # run: a learner restarted at 0 would hold back the medians
             run_step = min(ranks.broadcast_object(run_step, self.world), self.cfg.max_steps)
             if run_step > self.step:
                 log.info("learner_follows_run learner=%s step=%d run_step=%d", self.learner_id, self.step, run_step)

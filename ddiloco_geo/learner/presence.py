@@ -82,6 +82,7 @@ def status_record(learner: Any, state: str = "running") -> dict[str, Any]:
     elapsed = max(1e-9, learner.train_s if learner.train_s is not None else time.monotonic() - learner.started)
     return {
         "learner": learner.learner_id, "region": learner.cfg.region, "state": state, "step": learner.step,
+        "position": learner.position,  # on the lr schedule and toward max_steps (learner.schedule)
         "tokens": learner.tokens_total, "tokens_per_s": learner.tokens_total / elapsed, "loss": learner.loss_ema,
         "step_s": learner.step_ema if state == "running" else None, "versions": learner.base_version,
         "time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "world_size": learner.world,

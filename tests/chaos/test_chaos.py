@@ -367,3 +367,17 @@ def test_a_process_reads_only_its_own_lines_of_an_appended_log(tmp_path):
     assert "syncer_ready" in log_path.read_text()  # the file still holds the earlier run's line
     mine = child.log_text()
     assert "syncer_ready" not in mine and "Beautiful is better than ugly" in mine
+
+
+def test_a_learner_that_ended_its_schedule_by_the_runs_position_is_not_downtime():
+    # learner.schedule=run: a learner stops when its position (the run's median step) reaches
+    # max_steps, at an own step of its own; its flush and exit after that are not the run being down
+    from types import SimpleNamespace
+
+    from ddiloco_geo.tools.chaos.report import heartbeat_series
+    obs = [(0.0, 0, 0, None), (2.0, 10, 1, 0.2), (4.0, 20, 2, 0.2), (6.0, 23, 3, 0.2), (8.0, 23, 4, None)]
+    finishing = SimpleNamespace(obs=obs, signalled_at=None, exit_time=9.0, done_at=6.0)
+    down, _ = compute_downtime(heartbeat_series([finishing], max_steps=30))
+    assert down == 0
+    finishing.done_at = None  # before: the end was its own step at max_steps, never reached here
+    assert compute_downtime(heartbeat_series([finishing], max_steps=30))[0] == pytest.approx(2.0)

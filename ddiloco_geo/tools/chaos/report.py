@@ -147,8 +147,8 @@ def heartbeat_series(learners: list[Proc], max_steps: int) -> list[dict[str, Any
         obs = [(o[0], o[1]) for o in p.obs]
         if p.signalled_at is not None:
             end = p.signalled_at
-        else:
-            done = [t for t, s in obs if s >= max_steps]
+        else:  # the end of its schedule: its position (learner.schedule=run), else its own step, at max_steps
+            done = [t for t in [p.done_at] if t is not None] or [t for t, s in obs if s >= max_steps]
             end = done[0] if done else (min(p.exit_time, obs[-1][0]) if (obs and p.exit_time) else None)
         series.append({"obs": obs, "end": end, "signalled_at": p.signalled_at})
     return series

@@ -57,6 +57,7 @@ class Proc:
     s0: int = 0                         # learner: step it resumes at
     resumed_checkpoint: str | None = None
     obs: list[tuple[float, int, int, float | None]] = field(default_factory=list)  # (hb time, step, sent, step_s)
+    done_at: float | None = None        # learner: first heartbeat at the end of its schedule (position >= max_steps)
     last_hb: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -216,6 +217,8 @@ class Supervisor:
                 if p.target == lid and p.pid == hb.get("pid"):
                     p.last_hb = hb
                     if hb.get("state") == "running" and (not p.obs or hb["time"] > p.obs[-1][0]):
+                        if p.done_at is None and int(hb.get("position", hb["step"])) >= self.plan["steps"]:
+                            p.done_at = float(hb["time"])
                         p.obs.append((float(hb["time"]), int(hb["step"]),
                                       int(hb.get("uploads", {}).get("deltas_sent", 0)), hb.get("step_s")))
                     elif hb.get("state") == "exited":
