@@ -244,10 +244,10 @@ def test_a_learner_joining_late_follows_the_runs_progress(tiny_run):
     assert 16 <= late.step <= 20  # the largest step in the newest merge records
     fresh = _learner(run, id="l2", max_steps=200, schedule="own")
     assert fresh.step == 0
-    # learner.schedule=run (the default) always follows: a learner restarted at step 0 would report
+    # learner.schedule=run always follows: a learner restarted at step 0 would report
     # low steps in its merges and hold back every other learner's median (chaos seed 21: one learner
     # took 278 steps of a 120-step run)
-    assert 16 <= _learner(run, id="l3", max_steps=200).step <= 20
+    assert 16 <= _learner(run, id="l3", max_steps=200, schedule="run").step <= 20
 
 
 def test_a_learner_whose_run_settings_differ_from_the_run_is_refused_with_the_fix(tiny_run):
@@ -358,8 +358,8 @@ def test_run_schedule_reads_steps_from_merges_and_takes_the_mean():
 def test_with_the_run_schedule_learners_of_different_speeds_anneal_together_and_stop_at_the_runs_budget():
     """learner.schedule=run: a learner three times faster than the other takes about three times
     the steps, both follow the mean on the learning-rate schedule, and the run stops when the two
-    together have taken 2 x max_steps (within a sync period of lag; the default since stop 22);
-    with 'own' each takes max_steps."""
+    together have taken 2 x max_steps (within a sync period of lag); with the default 'own'
+    schedule each takes max_steps."""
     from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
     from tests.service.conftest import tiny_settings
 
