@@ -240,9 +240,9 @@ def test_a_learner_joining_late_follows_the_runs_progress(tiny_run):
     asyncio.run(syncer.poll_once())
     syncer.draining = True
     assert syncer.merge_ready() > 0
-    late = _learner(run, id="l1", max_steps=200, follow_run=True, schedule="own")
+    late = _learner(run, id="l1", max_steps=200, follow_run=True)
     assert 16 <= late.step <= 20  # the largest step in the newest merge records
-    fresh = _learner(run, id="l2", max_steps=200, schedule="own")
+    fresh = _learner(run, id="l2", max_steps=200)
     assert fresh.step == 0
     # learner.schedule=run always follows: a learner restarted at step 0 would report
     # low steps in its merges and hold back every other learner's median (chaos seed 21: one learner
