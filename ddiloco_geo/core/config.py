@@ -120,7 +120,7 @@ class LearnerConfig(Section):
     lr: float = Field(6e-3, gt=0, description="inner AdamW peak learning rate (6e-3 measured best for Decoupled DiLoCo)")
     weight_decay: float = Field(0.1, ge=0)
     warmup_steps: int = Field(20, ge=0)
-    max_steps: int = Field(300, ge=1, description="inner steps before exiting (with learner.schedule=run: the run's median's)")
+    max_steps: int = Field(300, ge=1, description="inner steps before exiting (learner.schedule=run: counted on the run's median step)")
     max_time_s: float | None = Field(None, gt=0)
     alpha: float = Field(0.0, ge=0, lt=1, description="mixing factor on adoption: local = alpha*local + (1-alpha)*global; 0 overwrites")
     follow_run: bool = Field(False, description="a joining or restarted learner starts its learning-rate schedule (and its "

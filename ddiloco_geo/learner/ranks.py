@@ -31,12 +31,14 @@ def init_from_env(device: str) -> tuple[int, int, str]:
 
 
 def shutdown(world: int, *, clean: bool = True) -> None:
-    """Leave the process group. On a clean exit every rank first waits at a barrier for the others
-    (rank 0 may still be flushing and checkpointing): a gloo rank that tears its group down while a
-    peer still holds the connection can abort the process (``terminate called without an active
-    exception``); after the barrier a clean exit leaves with ``os._exit(0)`` (stdio and logging
-    flushed) instead of tearing the group down. After an error there is no barrier: the peers may be stuck in another collective,
-    and ``torchrun`` stops them."""
+    """Leave the process group; the last thing a multi-rank learner process does.
+
+    On a clean exit every rank waits at a barrier for the others (rank 0 may still be flushing and
+    checkpointing), then **ends the process** with ``os._exit(0)`` (stdio and logging flushed)
+    without tearing the gloo group down: that teardown can abort a rank (``terminate called
+    without an active exception``) while a peer still holds the connection. After an error there
+    is no barrier (the peers may be stuck in another collective; ``torchrun`` stops them) and the
+    group is destroyed."""
     if world > 1:
         if clean:
             dist.barrier()

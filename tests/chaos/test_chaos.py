@@ -377,7 +377,7 @@ def test_a_learner_that_ended_its_schedule_by_the_runs_position_is_not_downtime(
     from ddiloco_geo.tools.chaos.report import heartbeat_series
     obs = [(0.0, 0, 0, None), (2.0, 10, 1, 0.2), (4.0, 20, 2, 0.2), (6.0, 23, 3, 0.2), (8.0, 23, 4, None)]
     finishing = SimpleNamespace(obs=obs, signalled_at=None, exit_time=9.0, done_at=6.0)
-    down, _ = compute_downtime(heartbeat_series([finishing], max_steps=30))
+    down, _ = compute_downtime(heartbeat_series([finishing]))
     assert down == 0
-    finishing.done_at = None  # before: the end was its own step at max_steps, never reached here
-    assert compute_downtime(heartbeat_series([finishing], max_steps=30))[0] == pytest.approx(2.0)
+    finishing.done_at = None  # before: the end was its own step at max_steps (30), never reached here
+    assert compute_downtime(heartbeat_series([finishing]))[0] == pytest.approx(2.0)

@@ -140,16 +140,17 @@ def incarnation_table(store: Store, learners: list[Proc], headers: dict[str, dic
     return incs
 
 
-def heartbeat_series(learners: list[Proc], max_steps: int) -> list[dict[str, Any]]:
+def heartbeat_series(learners: list[Proc]) -> list[dict[str, Any]]:
     """Per incarnation, the observations and end :func:`~.goals.compute_downtime` takes."""
     series = []
     for p in learners:
         obs = [(o[0], o[1]) for o in p.obs]
         if p.signalled_at is not None:
             end = p.signalled_at
-        else:  # the end of its schedule: its position (learner.schedule=run), else its own step, at max_steps
-            done = [t for t in [p.done_at] if t is not None] or [t for t, s in obs if s >= max_steps]
-            end = done[0] if done else (min(p.exit_time, obs[-1][0]) if (obs and p.exit_time) else None)
+        elif p.done_at is not None:  # the end of its schedule (its position at max_steps: learner.schedule)
+            end = p.done_at
+        else:
+            end = min(p.exit_time, obs[-1][0]) if (obs and p.exit_time) else None
         series.append({"obs": obs, "end": end, "signalled_at": p.signalled_at})
     return series
 
@@ -254,7 +255,7 @@ def build_report(sup: Supervisor, store: Store, testbed: Testbed, evaluator: Eva
     step_times = [o[3] for p in learners for o in p.obs if o[3]]
     step_s = statistics.median(step_times) if step_times else 0.5
     gap_s = max(10.0, 10 * step_s)
-    downtime, down_iv = compute_downtime(heartbeat_series(learners, plan["steps"]), gap_s)
+    downtime, down_iv = compute_downtime(heartbeat_series(learners), gap_s)
     (sup.out / "heartbeats.json").write_text(json.dumps(
         {p.name: [[round(o[0] - t0, 3), o[1], o[2], o[3]] for o in p.obs] for p in learners}))
 
