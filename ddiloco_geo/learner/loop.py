@@ -42,7 +42,7 @@ from ddiloco_geo.learner import ranks
 from ddiloco_geo.learner.data import make_reader
 from ddiloco_geo.learner.poller import GlobalPoller
 from ddiloco_geo.learner.presence import Presence, status_record
-from ddiloco_geo.learner.schedule import lr_schedule, run_position, run_progress
+from ddiloco_geo.learner.schedule import RunClock, joining_step, lr_schedule
 from ddiloco_geo.learner.uploader import Outgoing, Uploader
 from ddiloco_geo.metrics import Registry, learner_metrics
 from ddiloco_geo.storage import Store
@@ -59,9 +59,7 @@ class Learner:
         self.cfg = learner
         self.model_cfg, self.data_cfg, self.run_cfg, self.fragments_cfg = model, data, run, fragments
         self.run_id, self.max_staleness = run_id, max_staleness
-        self.store = store
-        self.rank, self.world = rank, world
-        self.inline_io = inline_io
+        self.store, self.rank, self.world, self.inline_io = store, rank, world, inline_io
         self.learner_id = self.cfg.id or default_learner_id()
         layout.check_id(self.learner_id, "learner id")
         self.signer, self.global_verifier, self.own_verifier = learner_keys(security, self.learner_id)
@@ -111,11 +109,11 @@ class Learner:
         self.base: dict[int, dict[str, torch.Tensor]] = {}
         self.base_version = [0] * P
         self.clock = VectorClock()
-        run_step = 0
+        headers = []
         if self.rank == 0:
             for p in range(P):
                 header, tensors = self._read_global(p, index[p])
-                run_step = max(run_step, run_progress(header))
+                headers.append(header)
                 modelmod.set_tensors(self.model, {n: t.to(self.device) for n, t in tensors.items()})
                 self.base[p] = tensors
                 self.base_version[p] = index[p]
@@ -123,13 +121,14 @@ class Learner:
         ranks.broadcast_model(self.model, self.world)
         self.sharded = ranks.shard_model(self.model, self.cfg.parallel, self.world)
         self.schedule = send_schedule(self.cfg.send_schedule, P, self.spec.sync_every, self.spec.overlap)
-        self.c_steps, self.c_tokens = [0] * P, [0] * P
-        self.last_sent_step = [0] * P
+        self.run_clock = RunClock(self.learner_id, self.spec.sync_every)
+        self.c_steps, self.c_tokens, self.last_sent_step = [0] * P, [0] * P, [0] * P
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         self.resumed_from = self._resume(index)
-        if self.cfg.follow_run or self.cfg.schedule == "run":  # run: a learner restarted at 0 would hold back the medians
-            run_step = min(ranks.broadcast_object(run_step, self.world), self.cfg.max_steps)
+        if self.cfg.follow_run or self.cfg.schedule == "run":
+            run_step = min(ranks.broadcast_object(joining_step(headers, self.learner_id, self.cfg.schedule), self.world),
+                           self.cfg.max_steps)
             if run_step > self.step:
                 log.info("learner_follows_run learner=%s step=%d run_step=%d", self.learner_id, self.step, run_step)
                 self.step = run_step
@@ -142,8 +141,7 @@ class Learner:
         self.ref: dict[int, dict[str, torch.Tensor]] = {}
         if self.keep_progress or self.increments:
             self.ref = {p: modelmod.get_tensors(self.model, self.spec.plan.fragments[p]) for p in range(P)}
-        self.c_ref_steps = list(self.c_steps)
-        self.c_ref_tokens = list(self.c_tokens)
+        self.c_ref_steps, self.c_ref_tokens = list(self.c_steps), list(self.c_tokens)
         # fragment-steps (one per fragment per step): trained; past a send at adoption; of those, overwritten
         self.frag_steps_trained = self.frag_steps_past_send = self.frag_steps_discarded = 0
         self.net = ranks.training_module(self.model, replicate=self.world > 1 and not self.sharded,
@@ -157,6 +155,8 @@ class Learner:
             self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
                                        dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled,
                                        verify=self.global_verifier, require_signature=self.require_signatures)
+            for header in headers:  # the run's steps as of the globals it joined at (learner.schedule=run)
+                self.poller.observe(header.extra)
         log.info("learner_joined learner=%s run=%s fragments=%d versions=%s world=%d", self.learner_id,
                  self.spec.run_id, P, self.base_version, self.world)
 
@@ -341,7 +341,7 @@ class Learner:
             self.request_stop("max_time")
         adoptions = self.poller.take() if self.rank == 0 else {}
         position = self.step if self.cfg.schedule == "own" or self.rank != 0 else \
-            run_position(self.step, self.learner_id, self.poller.run_steps())
+            self.run_clock.position(self.step, self.poller.run_steps())
         adoptions, stop, self.position = ranks.sync_control(adoptions, self.stop_reason is not None, position,
                                                             self.rank, self.world, self.spec.plan)
         if self.position >= self.cfg.max_steps:  # (the run's budget, with learner.schedule=run)

@@ -86,7 +86,7 @@ class GlobalPoller:
                     header, tensors = protocol.read_global(self.store, self.spec, p, v, verify=self.verify,
                                                          require_signature=self.require_signature)
                     fetched = (tensors, header.clock)
-                    self._observe(header.extra)
+                    self.observe(header.extra)
                     self.counters["globals_fetched"] += 1
                 except (CodecError, NotFoundError) as exc:
                     self.counters["globals_rejected"] += 1
@@ -98,7 +98,7 @@ class GlobalPoller:
             with self.lock:
                 self.inbox[p] = (v, fetched[0], fetched[1])
 
-    def _observe(self, extra: dict) -> None:
+    def observe(self, extra: dict) -> None:
         with self.lock:
             for learner, step in merged_steps(extra).items():
                 self.steps[learner] = max(step, self.steps.get(learner, 0))
@@ -122,7 +122,7 @@ class GlobalPoller:
                 if codec.checksum_of(tensors) != header.extra.get("global_checksum"):
                     raise CodecError("checksum", f"rebuilt fragment {p} version {v} differs from the global")
                 clock = clock.merge(header.clock)
-                self._observe(header.extra)
+                self.observe(header.extra)
         except (CodecError, NotFoundError) as exc:
             self.counters["update_fallbacks"] += 1
             log.debug("update_fallback fragment=%d version=%d reason=%s", p, version, exc)

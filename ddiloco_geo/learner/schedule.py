@@ -3,8 +3,9 @@ peak at ``max_steps``; where a joining learner starts on it (``learner.follow_ru
 progress, read from the newest merge records, so a restarted or newly joined learner does not
 restart its warm-up at full rate while the others are near the end of theirs); and, with
 ``learner.schedule = run``, where every learner is on it at each step: the mean over the run's
-learners of their latest steps (:func:`run_position`: the median), so learners of different speeds anneal
-together and the run stops when its total budget of M x ``max_steps`` steps is spent."""
+learners of their latest steps (:class:`RunClock`: the median over the learners heard from lately),
+so learners of different speeds anneal together and the run stops when its total budget of
+M x ``max_steps`` steps is spent (:func:`joining_step`: where a joining learner starts)."""
 
 from __future__ import annotations
 
@@ -40,16 +41,47 @@ def merged_steps(extra: dict) -> dict[str, int]:
     return out
 
 
-def run_position(own_step: int, me: str, steps: dict[str, int]) -> int:
-    """``learner.schedule = run``: the median of this learner's step and every other learner's
-    latest merged step. For a symmetric mix of speeds it is the mean, and M x the mean is the run's
-    total steps (its tokens / tokens per step); unlike the mean, one learner that reports an absurd
-    step (a bug, or an insider) cannot move every learner to the end of the schedule."""
-    return int(statistics.median([own_step, *(s for learner, s in steps.items() if learner != me)]))
+def run_position(own_step: int, others: list[int]) -> int:
+    """``learner.schedule = run``: the median of this learner's step and the other learners' latest
+    merged steps. For a symmetric mix of speeds it is the mean, and M x the mean is the run's total
+    steps (its tokens / tokens per step); unlike the mean, one learner that reports an absurd step (a
+    bug, or an insider) cannot move every learner to the end of the schedule."""
+    return int(statistics.median([own_step, *others]))
 
 
-def run_progress(header: Header) -> int:
-    """The largest learner step in a global's merge record (0 if none is readable)."""
-    steps = [e.get("step") for e in header.extra.get("merged", []) if isinstance(e, dict)] \
-        if isinstance(header.extra.get("merged"), list) else []
-    return max((s for s in steps if isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**40), default=0)
+class RunClock:
+    """A learner's position under ``learner.schedule = run``, counting only the learners **heard from
+    lately**: one whose merged step has not advanced for ``live_periods`` of its own usual intervals
+    (at least ``sync_every`` of this learner's steps) has stopped, ended its schedule or been
+    preempted, and drops out. Without this, a learner whose peers had stopped below the end of the
+    schedule held their last steps in its median forever and never stopped (chaos seed 21 took one
+    learner to step 6,080 of 120). Measured in this learner's own steps, so it holds on simulated time."""
+
+    def __init__(self, me: str, sync_every: int, live_periods: float = 3.0) -> None:
+        self.me, self.floor, self.live_periods = me, max(1, sync_every), live_periods
+        self.seen: dict[str, tuple[int, int, int]] = {}  # learner -> (its step, our step when it advanced, the gap before)
+
+    def position(self, own_step: int, steps: dict[str, int]) -> int:
+        for learner, step in steps.items():
+            prev = self.seen.get(learner)
+            if learner != self.me and (prev is None or step > prev[0]):
+                self.seen[learner] = (step, own_step, 0 if prev is None else own_step - prev[1])
+        live = [step for step, at, gap in self.seen.values()
+                if own_step - at <= self.live_periods * max(self.floor, gap)]
+        return run_position(own_step, live)
+
+
+def joining_step(headers: list[Header], me: str, schedule: str) -> int:
+    """Where a joining or restarted learner starts, from the merge records of the globals it loads.
+
+    ``own`` (with ``learner.follow_run``): the run's progress, the largest learner step merged, so it
+    does not restart its warm-up at full rate while the others anneal. ``run``: its own latest merged
+    step: the steps it trained before and the syncer merged are in the run's budget already, so a
+    restart at 0 would count them twice (one learner took 278 steps of a 120-step run that way),
+    while jumping to the largest step would skip its share (chaos seed 21: the two restarted learners
+    jumped to 120 because a third had finished, and stopped at once); its place on the learning-rate
+    schedule is the run's position either way (:class:`RunClock`)."""
+    steps = [merged_steps(h.extra) for h in headers]
+    if schedule == "run":
+        return max((s.get(me, 0) for s in steps), default=0)
+    return max((max(s.values(), default=0) for s in steps), default=0)

@@ -244,10 +244,17 @@ def test_a_learner_joining_late_follows_the_runs_progress(tiny_run):
     assert 16 <= late.step <= 20  # the largest step in the newest merge records
     fresh = _learner(run, id="l2", max_steps=200)
     assert fresh.step == 0
-    # learner.schedule=run always follows: a learner restarted at step 0 would report
-    # low steps in its merges and hold back every other learner's median (chaos seed 21: one learner
-    # took 278 steps of a 120-step run)
-    assert 16 <= _learner(run, id="l3", max_steps=200, schedule="run").step <= 20
+    # learner.schedule=run: a learner restarted without a checkpoint starts at its own latest merged
+    # step (a restart at 0 repeated those steps: one learner took 278 steps of a 120-step run), not
+    # at the largest (chaos seed 21: two restarted learners jumped to the end a third had reached and
+    # stopped at once); a new learner's steps are new tokens, so it starts at 0. Both take their
+    # place on the learning-rate schedule from the run's position.
+    restarted = _learner(run, id=first.learner_id, max_steps=200, schedule="run")
+    assert restarted.resumed_from is None and 16 <= restarted.step <= 20
+    joined = _learner(run, id="l3", max_steps=200, schedule="run")
+    assert joined.step == 0
+    joined.step_once()
+    assert 8 <= joined.position <= 10  # the median (of two: the mean) of its step 0 and the first's
 
 
 def test_a_learner_whose_run_settings_differ_from_the_run_is_refused_with_the_fix(tiny_run):
@@ -342,17 +349,43 @@ def test_error_feedback_sends_all_progress_and_its_residual_survives_a_restart(t
 
 
 def test_run_schedule_reads_steps_from_merges_and_takes_the_mean():
-    from ddiloco_geo.learner.schedule import merged_steps, run_position
+    from ddiloco_geo.learner.schedule import RunClock, merged_steps, run_position
 
     extra = {"merged": [{"learner": "a", "step": 40}, {"learner": "b", "step": 12}, {"learner": "a", "step": 44},
                         {"learner": "c", "step": True}, {"learner": 7, "step": 3}, "junk", {"learner": "d", "step": -1}],
              "steps": {"e": 20, "f": "x", "g": 2**41}}
     assert merged_steps(extra) == {"a": 44, "b": 12, "e": 20}
     assert merged_steps({"merged": "not a list", "steps": []}) == {}
-    assert run_position(30, "a", {"a": 44, "b": 12, "e": 20}) == 20  # its own step counts, not its old one
-    assert run_position(30, "a", {"b": 11}) == 20  # two learners: the mean
-    assert run_position(30, "a", {"b": 28, "c": 2**39}) == 30  # one absurd report moves nothing
-    assert run_position(7, "a", {}) == 7
+    assert run_position(30, [12, 20]) == 20
+    assert run_position(30, [11]) == 20  # two learners: the mean
+    assert run_position(30, [28, 2**39]) == 30  # one absurd report moves nothing
+    assert run_position(7, []) == 7
+    clock = RunClock("a", sync_every=10)
+    assert clock.position(30, {"a": 44, "b": 12, "e": 20}) == 20  # its own step counts, not its old one
+
+
+def test_the_run_schedule_drops_learners_that_stopped_advancing():
+    """Chaos seed 21: two learners stopped below the end of the schedule, and the third's median of
+    its step and their last steps stayed below it forever. A learner whose merged step has not
+    advanced for three of its usual intervals (at least sync_every of ours) drops out."""
+    from ddiloco_geo.learner.schedule import RunClock
+
+    clock = RunClock("a", sync_every=10)
+    for own in range(0, 101, 5):
+        pos = clock.position(own, {"b": own, "c": own})
+    assert pos == 100
+    # b and c stop at 100 (below a max_steps of 120, say); a keeps stepping
+    assert clock.position(125, {"b": 100, "c": 100}) == 100  # 25 steps: within three periods
+    assert clock.position(130, {"b": 100, "c": 100}) == 100
+    assert clock.position(131, {"b": 100, "c": 100}) == 131  # heard from 31 steps ago: dropped
+    # one comes back (restarted), the median counts it again
+    assert clock.position(140, {"b": 120, "c": 100}) == 130
+    # a slow learner that advances every 40 of our steps stays counted for three of its intervals
+    slow = RunClock("a", sync_every=10)
+    for own in range(0, 201, 40):
+        slow.position(own, {"s": own // 4})
+    assert slow.position(200 + 120, {"s": 50}) == (320 + 50) // 2
+    assert slow.position(200 + 121, {"s": 50}) == 321
 
 
 def test_with_the_run_schedule_learners_of_different_speeds_anneal_together_and_stop_at_the_runs_budget():
