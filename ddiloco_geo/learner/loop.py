@@ -127,14 +127,14 @@ class Learner:
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         self.resumed_from = self._resume(index)
         if self.cfg.follow_run or self.cfg.schedule == "run":
-            run_step = min(ranks.broadcast_object(joining_step(headers, self.learner_id, self.cfg.schedule), self.world),
-                           self.cfg.max_steps)
+            newest = protocol.newest_delta(self.store, self.learner_id, self.own_verifier, True) if headers else None
+            run_step = min(ranks.broadcast_object(joining_step(headers, self.learner_id, self.cfg.schedule, newest),
+                                                  self.world), self.cfg.max_steps)
             if run_step > self.step:
                 log.info("learner_follows_run learner=%s step=%d run_step=%d", self.learner_id, self.step, run_step)
                 self.step = run_step
-        # per fragment: the local tensors at the last send (or the base at the last adoption) and the
-        # counters at that point; at join (fresh, or resumed from a checkpoint written after every
-        # fragment was flushed) everything local is accounted for
+        # per fragment: the local tensors at the last send (or the base at the last adoption) and the counters
+        # then; at join (fresh, or from a checkpoint written after every fragment was flushed) all is accounted for
         self.keep_progress = self.cfg.adopt == "keep_progress"
         # error feedback: send increments since the previous send (uploader.py)
         self.increments = self.cfg.error_feedback == "on" or (self.cfg.error_feedback == "auto" and self.spec.codec == "topk")

@@ -71,17 +71,19 @@ class RunClock:
         return run_position(own_step, live)
 
 
-def joining_step(headers: list[Header], me: str, schedule: str) -> int:
-    """Where a joining or restarted learner starts, from the merge records of the globals it loads.
+def joining_step(headers: list[Header], me: str, schedule: str, newest: tuple[int, Header | None] | None = None) -> int:
+    """Where a joining or restarted learner starts, from the merge records of the globals it loads
+    and ``newest``, its own newest delta (sequence number and header) if it wrote any.
 
     ``own`` (with ``learner.follow_run``): the run's progress, the largest learner step merged, so it
-    does not restart its warm-up at full rate while the others anneal. ``run``: its own latest merged
-    step: the steps it trained before and the syncer merged are in the run's budget already, so a
-    restart at 0 would count them twice (one learner took 278 steps of a 120-step run that way),
-    while jumping to the largest step would skip its share (chaos seed 21: the two restarted learners
-    jumped to 120 because a third had finished, and stopped at once); its place on the learning-rate
-    schedule is the run's position either way (:class:`RunClock`)."""
+    does not restart its warm-up at full rate while the others anneal. ``run``: the step of its own
+    newest delta (or its newest merged step, if larger): the steps it trained and sent before are in
+    the run's budget already, so a restart at 0 would count them twice (one learner took 278 steps of
+    a 120-step run that way), while jumping to the largest step would skip its share (chaos seed 21:
+    two restarted learners jumped to the end a third had reached and stopped at once). Its place on
+    the learning-rate schedule is the run's position either way (:class:`RunClock`)."""
     steps = [merged_steps(h.extra) for h in headers]
     if schedule == "run":
-        return max((s.get(me, 0) for s in steps), default=0)
+        sent = merged_steps({"steps": {me: newest[1].extra.get("step")}}) if newest and newest[1] else {}
+        return max((s.get(me, 0) for s in [*steps, sent]), default=0)
     return max((max(s.values(), default=0) for s in steps), default=0)

@@ -17,7 +17,7 @@ from ddiloco_geo.protocol.index import (
     advance_index, latest_version, list_versions, read_global, read_global_params, read_header, read_index,
 )
 from ddiloco_geo.protocol.ledger import (
-    ledger, learner_ids, merge_records, next_delta_seq, quarantine_records, quarantined_learners,
+    ledger, learner_ids, merge_records, newest_delta, next_delta_seq, quarantine_records, quarantined_learners,
 )
 from ddiloco_geo.protocol.verified import (
     GlobalModel, Skipped, exit_record, global_model, heartbeat, newest_global, read_record, syncer_status,
@@ -26,7 +26,7 @@ from ddiloco_geo.protocol.verified import (
 
 __all__ = [
     "RunSpec", "build_spec", "spec_from", "create_or_load_spec", "load_spec", "wait_for_spec", "advance_index", "latest_version",
-    "list_versions", "read_global", "read_global_params", "read_header", "read_index", "ledger", "learner_ids", "merge_records", "next_delta_seq",
+    "list_versions", "read_global", "read_global_params", "read_header", "read_index", "ledger", "learner_ids", "merge_records", "newest_delta", "next_delta_seq",
     "quarantined_learners", "quarantine_records", "GlobalModel", "Skipped", "exit_record", "global_model", "heartbeat",
     "newest_global", "read_record", "syncer_status", "verified_header",
 ]

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 
+from ddiloco_geo import codec
 from ddiloco_geo.core import layout
 from ddiloco_geo.core.errors import CodecError, StorageError
 from ddiloco_geo.core.signing import Verifier
@@ -62,6 +63,15 @@ def next_delta_seq(store: Store, learner: str, verifier: Verifier | None = None)
     """One past the highest sequence number among a learner's delta keys (0 if it has none). With
     ``verifier`` (one that knows this learner's key) only deltas it signed count, newest first, so
     junk another writer put at a huge sequence number cannot push the learner's numbering away."""
+    newest = newest_delta(store, learner, verifier)
+    return 0 if newest is None else newest[0] + 1
+
+
+def newest_delta(store: Store, learner: str, verifier: Verifier | None = None,
+                 read_header: bool = False) -> tuple[int, codec.Header | None] | None:
+    """(sequence number, header) of a learner's newest delta, None if it has none. The header is read
+    (and the delta counts only if it is readable and names this learner and number) with
+    ``verifier``, where it must also carry the learner's signature, or with ``read_header``."""
     seqs = {}
     for key in store.list(layout.deltas_dir(learner)):
         try:
@@ -69,15 +79,15 @@ def next_delta_seq(store: Store, learner: str, verifier: Verifier | None = None)
         except layout.LayoutError:
             continue
     for key in sorted(seqs, key=seqs.get, reverse=True):
-        if verifier is None:
-            return seqs[key] + 1
+        if verifier is None and not read_header:
+            return seqs[key], None
         try:
             header = verified_header(store, key, verifier, learner_signer(learner))
         except (CodecError, StorageError):
             continue
         if header.seq == seqs[key] and header.learner == learner:
-            return seqs[key] + 1
-    return 0
+            return seqs[key], header
+    return None
 
 
 def merge_records(store: Store, verifier: Verifier | None = None, skipped: Skipped | None = None) -> list[dict[str, Any]]:

@@ -251,6 +251,13 @@ def test_a_learner_joining_late_follows_the_runs_progress(tiny_run):
     # place on the learning-rate schedule from the run's position.
     restarted = _learner(run, id=first.learner_id, max_steps=200, schedule="run")
     assert restarted.resumed_from is None and 16 <= restarted.step <= 20
+    # ... and one whose deltas no merge holds yet starts at the step of its newest delta
+    gone = _learner(run, id="l4", max_steps=200)
+    for _ in range(6):
+        gone.step_once()
+    sent = protocol.newest_delta(run.store, "l4", read_header=True)
+    assert sent is not None and 1 <= sent[1].extra["step"] <= 6
+    assert _learner(run, id="l4", max_steps=200, schedule="run").step == sent[1].extra["step"]
     joined = _learner(run, id="l3", max_steps=200, schedule="run")
     assert joined.step == 0
     joined.step_once()
