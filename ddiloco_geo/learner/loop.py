@@ -121,7 +121,7 @@ class Learner:
         ranks.broadcast_model(self.model, self.world)
         self.sharded = ranks.shard_model(self.model, self.cfg.parallel, self.world)
         self.schedule = send_schedule(self.cfg.send_schedule, P, self.spec.sync_every, self.spec.overlap)
-        self.run_clock = RunClock(self.learner_id, self.spec.sync_every)
+        self.run_clock = RunClock(self.learner_id, self.spec.sync_every, self.cfg.max_steps)
         self.c_steps, self.c_tokens, self.last_sent_step = [0] * P, [0] * P, [0] * P
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)

@@ -367,7 +367,7 @@ def test_run_schedule_reads_steps_from_merges_and_takes_the_mean():
     assert run_position(30, [11]) == 20  # two learners: the mean
     assert run_position(30, [28, 2**39]) == 30  # one absurd report moves nothing
     assert run_position(7, []) == 7
-    clock = RunClock("a", sync_every=10)
+    clock = RunClock("a", sync_every=10, max_steps=1000)
     assert clock.position(30, {"a": 44, "b": 12, "e": 20}) == 20  # its own step counts, not its old one
 
 
@@ -377,7 +377,7 @@ def test_the_run_schedule_drops_learners_that_stopped_advancing():
     advanced for three of its usual intervals (at least sync_every of ours) drops out."""
     from ddiloco_geo.learner.schedule import RunClock
 
-    clock = RunClock("a", sync_every=10)
+    clock = RunClock("a", sync_every=10, max_steps=1000)
     for own in range(0, 101, 5):
         pos = clock.position(own, {"b": own, "c": own})
     assert pos == 100
@@ -388,11 +388,29 @@ def test_the_run_schedule_drops_learners_that_stopped_advancing():
     # one comes back (restarted), the median counts it again
     assert clock.position(140, {"b": 120, "c": 100}) == 130
     # a slow learner that advances every 40 of our steps stays counted for three of its intervals
-    slow = RunClock("a", sync_every=10)
+    slow = RunClock("a", sync_every=10, max_steps=1000)
     for own in range(0, 201, 40):
         slow.position(own, {"s": own // 4})
     assert slow.position(200 + 120, {"s": 50}) == (320 + 50) // 2
     assert slow.position(200 + 121, {"s": 50}) == 321
+
+
+def test_the_run_schedule_ends_when_the_mean_reaches_the_end_and_the_median_allows():
+    """Chaos seed 24: a learner restarted at step 53 behind two peers that had finished at 120 stopped
+    at 60 on the median alone (the run took 323 of its 360 steps). Held below the end until the mean
+    reaches it, it trains its share; a learner reporting an absurd step still cannot end the others'
+    schedules (the median)."""
+    from ddiloco_geo.learner.schedule import RunClock
+
+    clock = RunClock("a", sync_every=10, max_steps=120)
+    assert clock.position(53, {"b": 120, "c": 120}) == 119  # median 120, mean 97.7: not yet
+    assert clock.position(119, {"b": 120, "c": 120}) == 119
+    assert clock.position(120, {"b": 120, "c": 120}) == 120  # the run's 360 steps are spent
+    # learners of different speeds: fast ones past the end carry the mean for slow ones
+    mixed = RunClock("a", sync_every=10, max_steps=120)
+    assert mixed.position(100, {"b": 150, "c": 130, "d": 100}) == 115  # mean 120: the median decides
+    liar = RunClock("a", sync_every=10, max_steps=120)
+    assert liar.position(30, {"b": 2**39, "c": 30}) == 30  # an absurd step moves the mean, not the median
 
 
 def test_with_the_run_schedule_learners_of_different_speeds_anneal_together_and_stop_at_the_runs_budget():
