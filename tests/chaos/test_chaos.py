@@ -146,6 +146,13 @@ def test_a_delivery_seen_after_its_merge_is_not_waiting_work():
     deliveries = unaccounted_deliveries([(95.0, 2)], ["a", "b"], {"a": 93.0, "b": 94.0})
     assert find_stalls([93.0, 94.0], deliveries, [(0.0, 110.0)], 2.0) == []
     assert find_stalls([93.0, 94.0], [95.0], [(0.0, 110.0)], 2.0) != []  # what the report counted before
+    # a delta the syncer will reject waits for no publish, even before its rejection is recorded:
+    # a restarted learner's stale deltas at the end of a run are not a stall (chaos seed 24)
+    late = [(20.0, 1), (22.0, 2), (24.0, 3)]
+    assert unaccounted_deliveries(late, keys, {"d0": 21.0, "d1": 23.0}) == [20.0, 22.0, 24.0]
+    assert unaccounted_deliveries(late, keys, {"d0": 21.0, "d1": 23.0, "d2": 25.0},
+                                  rejected=frozenset({"d0", "d1", "d2"})) == []
+    assert unaccounted_deliveries(late, keys, {"d0": 21.0, "d1": 23.0}, rejected=frozenset({"d0"})) == [22.0, 24.0]
 
 
 # --- goodput -------------------------------------------------------------------------------------
