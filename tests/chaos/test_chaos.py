@@ -386,5 +386,9 @@ def test_a_learner_that_ended_its_schedule_by_the_runs_position_is_not_downtime(
     finishing = SimpleNamespace(obs=obs, signalled_at=None, exit_time=9.0, done_at=6.0)
     down, _ = compute_downtime(heartbeat_series([finishing]))
     assert down == 0
+    # the position reaches max_steps at the stop, seen a heartbeat after the last step: the learner
+    # was done from its last step on (seed 22 counted the 1.1 s between as downtime)
+    finishing.done_at = 8.0
+    assert compute_downtime(heartbeat_series([finishing]))[0] == 0
     finishing.done_at = None  # before: the end was its own step at max_steps (30), never reached here
     assert compute_downtime(heartbeat_series([finishing]))[0] == pytest.approx(2.0)

@@ -147,8 +147,11 @@ def heartbeat_series(learners: list[Proc]) -> list[dict[str, Any]]:
         obs = [(o[0], o[1]) for o in p.obs]
         if p.signalled_at is not None:
             end = p.signalled_at
-        elif p.done_at is not None:  # the end of its schedule (its position at max_steps: learner.schedule)
-            end = p.done_at
+        elif p.done_at is not None:  # the end of its schedule (its position at max_steps: learner.schedule),
+            # from the first heartbeat that showed its last step: under schedule=run the position reaches
+            # max_steps only at the stop, a heartbeat after the last step (seed 22 counted the gap as downtime)
+            last = max((step for t, step in obs if t <= p.done_at), default=None)
+            end = min((t for t, step in obs if step == last), default=p.done_at)
         else:
             end = min(p.exit_time, obs[-1][0]) if (obs and p.exit_time) else None
         series.append({"obs": obs, "end": end, "signalled_at": p.signalled_at})
