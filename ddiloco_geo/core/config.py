@@ -126,9 +126,9 @@ class LearnerConfig(Section):
     follow_run: bool = Field(False, description="a joining or restarted learner starts its learning-rate schedule (and its "
                              "count toward max_steps) at the run's progress (newest merge records), not 0 or its checkpoint's; always with schedule=run")
     schedule: Literal["own", "run"] = Field(
-        "own", description="place on the lr schedule and toward max_steps: 'own' step count, or 'run': the median of the run's "
-        "learners' latest steps (from the merges it downloads): learners of different speeds anneal together and the run stops "
-        "after M x max_steps steps (6 points better on vim docs; not yet the default: docs/benchmarks.md, stop 22)")
+        "run", description="place on the lr schedule and toward max_steps: 'run', the median of the latest steps of the run's "
+        "learners heard from lately, held below max_steps until their mean reaches it: learners of different speeds anneal "
+        "together, the run stops after M x max_steps steps; 'own': this learner's count (slower ones train the end alone)")
     send_schedule: Literal["fixed", "aligned"] = Field(
         "aligned", description="when fragment p is sent: 'aligned' timed to the syncer's merges, fragments.overlap steps "
         "before the next merge of p is expected (measured 2.8 points better at a compute-optimal budget); 'fixed' every H steps")

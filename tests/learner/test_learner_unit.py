@@ -240,9 +240,9 @@ def test_a_learner_joining_late_follows_the_runs_progress(tiny_run):
     asyncio.run(syncer.poll_once())
     syncer.draining = True
     assert syncer.merge_ready() > 0
-    late = _learner(run, id="l1", max_steps=200, follow_run=True)
+    late = _learner(run, id="l1", max_steps=200, follow_run=True, schedule="own")
     assert 16 <= late.step <= 20  # the largest step in the newest merge records
-    fresh = _learner(run, id="l2", max_steps=200)
+    fresh = _learner(run, id="l2", max_steps=200, schedule="own")
     assert fresh.step == 0
     # learner.schedule=run: a learner restarted without a checkpoint starts at its own latest merged
     # step (a restart at 0 repeated those steps: one learner took 278 steps of a 120-step run), not
@@ -416,7 +416,7 @@ def test_the_run_schedule_ends_when_the_mean_reaches_the_end_and_the_median_allo
 def test_with_the_run_schedule_learners_of_different_speeds_anneal_together_and_stop_at_the_runs_budget():
     """learner.schedule=run: a learner three times faster than the other takes about three times
     the steps, both follow the mean on the learning-rate schedule, and the run stops when the two
-    together have taken 2 x max_steps (within a sync period of lag); with the default 'own'
+    together have taken 2 x max_steps (within a sync period of lag; the default); with 'own'
     schedule each takes max_steps."""
     from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
     from tests.service.conftest import tiny_settings
