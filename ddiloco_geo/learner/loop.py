@@ -127,7 +127,7 @@ class Learner:
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         self.resumed_from = self._resume(index)
         if self.cfg.follow_run or self.cfg.schedule == "run":
-            newest = protocol.newest_delta(self.store, self.learner_id, self.own_verifier, True) if headers else None
+            newest = protocol.newest_delta(self.store, self.learner_id, self.own_verifier, read_header=True) if headers else None
             run_step = min(ranks.broadcast_object(joining_step(headers, self.learner_id, self.cfg.schedule, newest),
                                                   self.world), self.cfg.max_steps)
             if run_step > self.step:
