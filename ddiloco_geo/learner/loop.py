@@ -126,17 +126,16 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         self.resumed_from = self._resume(index)
-        if self.cfg.follow_run or self.cfg.schedule == "run":
-            newest = protocol.newest_delta(self.store, self.learner_id, self.own_verifier, read_header=True) if headers else None
-            run_step = min(ranks.broadcast_object(joining_step(headers, self.learner_id, self.cfg.schedule, newest),
-                                                  self.world), self.cfg.max_steps)
-            if run_step > self.step:
-                log.info("learner_follows_run learner=%s step=%d run_step=%d", self.learner_id, self.step, run_step)
-                self.step = run_step
-        # per fragment: the local tensors at the last send (or the base at the last adoption) and the counters
-        # then; at join (fresh, or from a checkpoint written after every fragment was flushed) all is accounted for
+        newest = protocol.newest_delta(self.store, self.learner_id, self.own_verifier, read_header=True) if headers else None
+        progress, run_step = ranks.broadcast_object([min(joining_step(headers, self.learner_id, s, newest), self.cfg.max_steps)
+                                                     for s in ("own", self.cfg.schedule)], self.world)
+        if (self.cfg.follow_run or self.cfg.schedule == "run") and run_step > self.step:
+            log.info("learner_follows_run learner=%s step=%d run_step=%d", self.learner_id, self.step, run_step)
+            self.step = run_step
+        # a fresh AdamW joining a run past its warm-up warms up again (its first steps move every weight by about lr)
+        self.fresh_from = self.step if self.resumed_from is None and progress >= self.cfg.warmup_steps > 0 else None
+        # per fragment: the tensors and counters at the last send (or adoption); at join all is accounted for
         self.keep_progress = self.cfg.adopt == "keep_progress"
-        # error feedback: send increments since the previous send (uploader.py)
         self.increments = self.cfg.error_feedback == "on" or (self.cfg.error_feedback == "auto" and self.spec.codec == "topk")
         self.ref: dict[int, dict[str, torch.Tensor]] = {}
         if self.keep_progress or self.increments:
@@ -270,7 +269,8 @@ class Learner:
                 self.clock = self.clock.merge(clock)
 
     def lr_at(self, step: int) -> float:
-        return lr_schedule(step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.max_steps)
+        ramp = 1.0 if self.fresh_from is None else min(1.0, (self.step - self.fresh_from + 1) / self.cfg.warmup_steps)
+        return ramp * lr_schedule(step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.max_steps)
 
     def train_step(self) -> float:
         x, y, num_tokens = self.reader.next_batch()

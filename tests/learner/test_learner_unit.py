@@ -17,6 +17,7 @@ from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.model import embedding_rule
 from ddiloco_geo.core.signing import run_verifier, signer_for, syncer_keys
 from ddiloco_geo.learner import Learner, Outgoing, Uploader
+from ddiloco_geo.learner.schedule import lr_schedule
 from ddiloco_geo.syncer import Syncer
 from tests.service.conftest import tiny_run  # noqa: F401  (fixture)
 
@@ -249,7 +250,7 @@ def test_a_learner_joining_late_follows_the_runs_progress(tiny_run):
     # at the largest (chaos seed 21: two restarted learners jumped to the end a third had reached and
     # stopped at once); a new learner's steps are new tokens, so it starts at 0. Both take their
     # place on the learning-rate schedule from the run's position.
-    restarted = _learner(run, id=first.learner_id, max_steps=200, schedule="run")
+    restarted = _learner(run, id=first.learner_id, max_steps=200, schedule="run", warmup_steps=4)
     assert restarted.resumed_from is None and 16 <= restarted.step <= 20
     # ... and one whose deltas no merge holds yet starts at the step of its newest delta
     gone = _learner(run, id="l4", max_steps=200)
@@ -258,10 +259,17 @@ def test_a_learner_joining_late_follows_the_runs_progress(tiny_run):
     sent = protocol.newest_delta(run.store, "l4", read_header=True)
     assert sent is not None and 1 <= sent[1].extra["step"] <= 6
     assert _learner(run, id="l4", max_steps=200, schedule="run").step == sent[1].extra["step"]
-    joined = _learner(run, id="l3", max_steps=200, schedule="run")
+    joined = _learner(run, id="l3", max_steps=200, schedule="run", warmup_steps=4)
     assert joined.step == 0
     joined.step_once()
     assert 8 <= joined.position <= 10  # the median (of two: the mean) of its step 0 and the first's
+    # a fresh optimizer joining past the run's warm-up warms up again from its own first step (its
+    # first AdamW steps would move every weight by about lr: chaos seed 24 under load lost 4.6%);
+    # learners that start with the run, or resume a checkpoint, keep the schedule as it is
+    assert first.fresh_from is None and joined.fresh_from == 0 and restarted.fresh_from == restarted.step
+    w = joined.cfg.warmup_steps
+    assert joined.lr_at(joined.position) == pytest.approx(
+        (joined.step + 1) / w * lr_schedule(joined.position, joined.cfg.lr, w, joined.cfg.max_steps))
 
 
 def test_a_learner_whose_run_settings_differ_from_the_run_is_refused_with_the_fix(tiny_run):
