@@ -58,7 +58,11 @@ def test_a_tiny_study_runs_every_kind_of_arm_and_writes_table_and_plot(tmp_path)
         assert r["loss_ratio"] == pytest.approx(r["eval_loss"] / r["dp_eval_loss"])
         if h == 1.0:
             assert "token_efficiency" in r and "dp_equivalent" in r
-    assert rows[("adopt", 1.0)]["tokens"] == rows[("lockstep", 1.0)]["tokens"]  # same tokens per arm
+    # same tokens per arm: exactly for lock-step and each learner's own schedule; under the default
+    # learner.schedule=run the learners stop when the run's steps, read from merges a period late,
+    # reach the budget, so up to H (4) steps a learner more (at the full budget: +0.08%)
+    lock, adopt, steps = rows[("lockstep", 1.0)]["tokens"], rows[("adopt", 1.0)]["tokens"], rows[("lockstep", 1.0)]["steps"]
+    assert lock <= adopt <= lock * (1 + 4 / steps), (lock, adopt, steps)
     assert rows[("faults", 1.0)]["discarded_ratio"] >= 0
     assert (out / "convergence.png").stat().st_size > 10_000
 

@@ -38,7 +38,8 @@ def test_hf_model_trains_on_token_shards_and_exports_for_from_pretrained(tmp_pat
         "model": {"hf_class": "LlamaConfig", "hf_kwargs": LLAMA, "block_size": 32, "seed": 1},
         "data": {"corpus": corpus, "chunk_tokens": 2048, "eval_batches": 4},
         "fragments": {"num_fragments": 4, "sync_every": 4, "overlap": 1},
-        "learner": {"batch_size": 8, "max_steps": 24, "warmup_steps": 2, "lr": 3e-3, "log_every": 4},
+        "learner": {"batch_size": 8, "max_steps": 24, "warmup_steps": 2, "lr": 3e-3, "log_every": 4,
+                    "schedule": "own"},  # each learner takes exactly max_steps (the data cursor below)
         "run": {"codec": "bf16"},
     }, environ={})
     batches = eval_batches_for(settings.data, block_size=32, batch_size=8)

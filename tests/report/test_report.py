@@ -17,7 +17,7 @@ from conftest import deadline, wait_until
 pytestmark = pytest.mark.slow
 
 SMALL = ["--model", "nano", "--set", "data.max_bytes=400000", "--set", "fragments.num_fragments=8",
-         "--set", "fragments.sync_every=8"]
+         "--set", "fragments.sync_every=8", "--set", "learner.schedule=own"]  # own: each learner takes exactly --steps
 CHARTS = ("eval_loss", "throughput", "merges", "bytes", "timeline")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
