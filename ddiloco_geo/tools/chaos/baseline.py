@@ -70,8 +70,8 @@ def run_baseline(settings: Settings, report: dict[str, Any], *, url: str, out: P
     baseline_steps = sum(int(l.get("steps") or 0) for l in s["learners"].values())
     report["loss_comparison"] = {
         "how": "final eval loss of the global model (same held-out batches) over the fault-free run's, both "
-               "after every learner reached its max_steps; not at equal tokens: a learner killed before its "
-               "first checkpoint restarts at step 0 and repeats steps, so the chaos run trains more",
+               "after every learner ended its schedule; near equal steps under learner.schedule=run (both stop "
+               "at the run's budget, steps_ratio below), not under own (a restarted learner repeats steps)",
         "learner_steps": report.get("steps_taken"), "baseline_learner_steps": baseline_steps,
         "steps_ratio": round(report["steps_taken"] / baseline_steps, 4) if report.get("steps_taken") and baseline_steps else None}
     report["baseline_deltas_unaccounted"] = s["deltas_unaccounted"]
