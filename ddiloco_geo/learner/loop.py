@@ -107,8 +107,7 @@ class Learner:
             self.spec = local_spec
         P = self.spec.plan.num_fragments
         self.base: dict[int, dict[str, torch.Tensor]] = {}
-        self.base_version = [0] * P
-        self.clock = VectorClock()
+        self.base_version, self.clock = [0] * P, VectorClock()
         headers = []
         if self.rank == 0:
             for p in range(P):
@@ -126,13 +125,13 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=self.cfg.weight_decay)
         self.resumed_from = self._resume(index)
-        newest = protocol.newest_delta(self.store, self.learner_id, self.own_verifier, read_header=True) if headers else None
-        progress, run_step = ranks.broadcast_object([min(joining_step(headers, self.learner_id, s, newest), self.cfg.max_steps)
-                                                     for s in ("own", self.cfg.schedule)], self.world)
+        newest = protocol.newest_delta(self.store, self.learner_id, self.own_verifier, read_header=True) \
+            if headers and self.cfg.schedule == "run" else None
+        progress, run_step = ranks.broadcast_object([min(joining_step(headers, self.learner_id, s, newest and newest[1]),
+                                                         self.cfg.max_steps) for s in ("own", self.cfg.schedule)], self.world)
         if (self.cfg.follow_run or self.cfg.schedule == "run") and run_step > self.step:
             log.info("learner_follows_run learner=%s step=%d run_step=%d", self.learner_id, self.step, run_step)
             self.step = run_step
-        # a fresh AdamW joining a run past its warm-up warms up again (its first steps move every weight by about lr)
         self.fresh_from = self.step if self.resumed_from is None and progress >= self.cfg.warmup_steps > 0 else None
         # per fragment: the tensors and counters at the last send (or adoption); at join all is accounted for
         self.keep_progress = self.cfg.adopt == "keep_progress"
@@ -269,6 +268,7 @@ class Learner:
                 self.clock = self.clock.merge(clock)
 
     def lr_at(self, step: int) -> float:
+        # a fresh AdamW joining a run past its warm-up warms up again (its first steps move every weight by about lr)
         ramp = 1.0 if self.fresh_from is None else min(1.0, (self.step - self.fresh_from + 1) / self.cfg.warmup_steps)
         return ramp * lr_schedule(step, self.cfg.lr, self.cfg.warmup_steps, self.cfg.max_steps)
 

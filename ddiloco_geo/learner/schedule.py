@@ -82,9 +82,9 @@ class RunClock:
         return median
 
 
-def joining_step(headers: list[Header], me: str, schedule: str, newest: tuple[int, Header | None] | None = None) -> int:
+def joining_step(headers: list[Header], me: str, schedule: str, newest: Header | None = None) -> int:
     """Where a joining or restarted learner starts, from the merge records of the globals it loads
-    and ``newest``, its own newest delta (sequence number and header) if it wrote any.
+    and ``newest``, the header of its own newest delta if it wrote any.
 
     ``own`` (with ``learner.follow_run``): the run's progress, the largest learner step merged, so it
     does not restart its warm-up at full rate while the others anneal. ``run``: the step of its own
@@ -95,6 +95,6 @@ def joining_step(headers: list[Header], me: str, schedule: str, newest: tuple[in
     the learning-rate schedule is the run's position either way (:class:`RunClock`)."""
     steps = [merged_steps(h.extra) for h in headers]
     if schedule == "run":
-        sent = merged_steps({"steps": {me: newest[1].extra.get("step")}}) if newest and newest[1] else {}
-        return max((s.get(me, 0) for s in [*steps, sent]), default=0)
+        sent = newest.extra.get("step") if newest is not None else None
+        return max([s.get(me, 0) for s in steps] + [sent if _sane(sent) else 0])
     return max((max(s.values(), default=0) for s in steps), default=0)

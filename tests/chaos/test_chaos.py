@@ -4,6 +4,7 @@ function of the seed, and one short seeded chaos run on real processes against t
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from ddiloco_geo.tools.chaos import (
     compute_downtime, compute_goodput, find_stalls, first_merge_after, goals, measure, plan_schedule, subtract, union,
 )
 from ddiloco_geo.tools.chaos.goals import unaccounted_deliveries
+from ddiloco_geo.tools.chaos.report import accounted_at
 from tests.conftest import cli_args_for, deadline, wait_until
 
 # --- the schedule --------------------------------------------------------------------------------
@@ -150,9 +152,9 @@ def test_a_delivery_seen_after_its_merge_is_not_waiting_work():
     # a restarted learner's stale deltas at the end of a run are not a stall (chaos seed 24)
     late = [(20.0, 1), (22.0, 2), (24.0, 3)]
     assert unaccounted_deliveries(late, keys, {"d0": 21.0, "d1": 23.0}) == [20.0, 22.0, 24.0]
-    assert unaccounted_deliveries(late, keys, {"d0": 21.0, "d1": 23.0, "d2": 25.0},
-                                  rejected=frozenset({"d0", "d1", "d2"})) == []
-    assert unaccounted_deliveries(late, keys, {"d0": 21.0, "d1": 23.0}, rejected=frozenset({"d0"})) == [22.0, 24.0]
+    rejected = accounted_at([], {"d0": {"at": 21.0}, "d1": {"at": 23.0}, "d2": {"at": 25.0}})
+    assert unaccounted_deliveries(late, keys, rejected) == []
+    assert unaccounted_deliveries(late, keys, {"d0": -math.inf, "d1": 23.0}) == [22.0, 24.0]
 
 
 # --- goodput -------------------------------------------------------------------------------------

@@ -150,20 +150,18 @@ def find_stalls(publish_times: list[float], delivery_times: list[float], syncer_
 
 
 def unaccounted_deliveries(sent_seen: list[tuple[float, int]], keys: list[str],
-                           accounted_at: dict[str, float], rejected: frozenset[str] = frozenset()) -> list[float]:
+                           accounted_at: dict[str, float]) -> list[float]:
     """Times at which one learner incarnation is seen to have delivered work still waiting.
 
     ``sent_seen``: (time, deltas sent so far) at each observation where its count grew; ``keys``:
     the incarnation's delta keys; ``accounted_at``: key -> when a syncer accounted for it (the
-    publish time of the merge record that merged or superseded it, or its rejection). A heartbeat is seen up to a
-    heartbeat interval after the upload, so a delta can be merged before it is "seen": such an
-    observation is not waiting work (at the end of a run it was once counted as a stall until the
-    syncer stopped). A delta the syncer ``rejected`` (stale, say) never waits for a publish: at the end
-    of a run, a restarted learner's stale deltas, rejected one by one as they arrived, once counted as
-    a stall until the syncer stopped (chaos seed 24 under learner.schedule=run)."""
+    publish time of the merge record that merged or superseded it; ``-inf`` if it was rejected: it
+    waits for no publish). A heartbeat is seen up to a heartbeat interval after the upload, so a
+    delta can be merged before it is "seen": such an observation is not waiting work (at the end of
+    a run it was once counted as a stall until the syncer stopped)."""
     out = []
     for t, sent in sent_seen:
-        done = sum(1 for k in keys if k in rejected or accounted_at.get(k, math.inf) <= t)
+        done = sum(1 for k in keys if accounted_at.get(k, math.inf) <= t)
         if done < sent:
             out.append(t)
     return out

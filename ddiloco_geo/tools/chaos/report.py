@@ -78,9 +78,10 @@ def rejected_then_superseded(rejected: dict[str, dict[str, Any]], records: list[
 
 def accounted_at(records: list[dict[str, Any]], rejected: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Delta key -> when a syncer accounted for it: the publish time of the first merge record that
-    merged or superseded it, or its rejection record's time."""
-    out: dict[str, float] = {k: float(rec["at"]) for k, rec in rejected.items()
-                             if isinstance(rec.get("at"), (int, float))}
+    merged or superseded it; ``-inf`` for a rejected delta, which never waits for a publish (at the
+    end of a run a restarted learner's stale deltas, rejected one by one as they arrived, once
+    counted as a stall until the syncer stopped: chaos seed 24 under learner.schedule=run)."""
+    out: dict[str, float] = {k: -math.inf for k in rejected}
     for r in records:
         t = r.get("published_at")
         if r.get("kind") != "merge" or not t:
@@ -159,8 +160,7 @@ def heartbeat_series(learners: list[Proc]) -> list[dict[str, Any]]:
 
 
 def stalls_of(sup: Supervisor, learners: list[Proc], pubs: list[float], period_s: float,
-              keys: dict[int, list[str]], accounted: dict[str, float],
-              rejected: frozenset[str] = frozenset()) -> list[dict[str, float]]:
+              keys: dict[int, list[str]], accounted: dict[str, float]) -> list[dict[str, float]]:
     """Stalls from publish times, delta deliveries (a heartbeat whose ``deltas_sent`` grew, or the
     exit record's count, while merge and rejection records do not yet account for that many of
     the process's deltas: :func:`~.goals.unaccounted_deliveries`) and syncer uptime (ready ->
@@ -172,7 +172,7 @@ def stalls_of(sup: Supervisor, learners: list[Proc], pubs: list[float], period_s
             sent = int(p.last_hb.get("uploads", {}).get("deltas_sent", 0))
             if sent > p.obs[-1][2]:
                 seen.append((float(p.last_hb.get("time", p.obs[-1][0])), sent))
-        deliveries += unaccounted_deliveries(seen, keys.get(p.pid, []), accounted, rejected)
+        deliveries += unaccounted_deliveries(seen, keys.get(p.pid, []), accounted)
     syncer_up = []
     for p in sup.procs:
         if p.role == "syncer" and p.ready_at is not None:
@@ -265,8 +265,7 @@ def build_report(sup: Supervisor, store: Store, testbed: Testbed, evaluator: Eva
 
     pubs = [float(r["published_at"]) for r in records if r.get("kind") == "merge" and r.get("published_at")]
     period = stall_period(spec.sync_every, step_s, pubs)
-    stalls = stalls_of(sup, learners, pubs, period, incarnation_keys(learners, headers), accounted_at(records, rejected),
-                       frozenset(rejected))
+    stalls = stalls_of(sup, learners, pubs, period, incarnation_keys(learners, headers), accounted_at(records, rejected))
     recovery_s, restart_detail, restarted_merged = recovery(sup, learners, records, pubs)
 
     faults_configured = [{"process": p.name, "pid": p.pid, "rate": p.settings["storage.fault_rate"],
