@@ -94,6 +94,8 @@ class Round:
         merged = self.syncer.merge_ready()
         t2, cpu2 = time.perf_counter(), time.process_time()
         assert merged == self.spec.plan.num_fragments, merged
+        for key in self.store.list():  # memory:// buckets live as long as the process: free this one's
+            self.store.delete(key)
         self.store.close()
         return {"intake_s": t1 - t0, "merge_s": t2 - t1, "total_s": t2 - t0, "cpu_s": cpu2 - cpu0}
 
