@@ -14,8 +14,7 @@ from ddiloco_geo.tools.bench import syncer as bench_syncer
 @pytest.mark.unit
 def test_a_round_frees_its_memory_bucket():
     # memory:// buckets are process-wide: a round that kept its objects grew the process by the
-    # round's deltas, globals and state every round (250 MB a round of the small model), and the
-    # later rounds measured page faults instead of the syncer
+    # round's deltas, globals and state every round (~250 MB a round of the small model)
     p = argparse.ArgumentParser()
     bench_syncer.add_arguments(p)
     args = p.parse_args(["--model", "nano", "--learners", "2"])
