@@ -42,7 +42,8 @@ def test_example_plan_recommends_ddiloco_across_regions_within_the_deadline():
     best = result["recommended"]
     assert best["system"] == "ddiloco" and best["feasible"]
     assert len(best["regions"]) >= 2 and best["wall_h"] <= RAW["job"]["deadline_hours"]
-    assert best["codec"] == "int4" and best["H"] == best["P"] == 24
+    # the example's links carry H = 12's bytes, and its better token efficiency buys fewer tokens
+    assert best["codec"] == "int4" and best["H"] == best["P"] == 12
     # DP in one region misses the deadline; DP over the WAN is bandwidth-bound
     assert result["dp_cheapest_region"]["wall_h"] > RAW["job"]["deadline_hours"]
     assert result["dp_across_regions"]["utilization"] < 0.5
@@ -78,6 +79,24 @@ def test_a_tight_deadline_buys_more_regions():
     tight = plan_run(parse_plan(raw(deadline_hours=72)))["recommended"]
     assert loose["wall_h"] > 72 and tight["wall_h"] <= 72
     assert tight["accelerators"] > loose["accelerators"]
+
+
+@pytest.mark.unit
+def test_thinner_links_move_the_plan_to_a_longer_horizon_and_then_to_no_plan():
+    """H trades bytes for token efficiency (the measured rows): as the WAN thins, the cheapest feasible
+    option moves from H = 12 to a larger H, and with no usable link nothing is recommended (a reason
+    for each option, no exception, even where a data-parallel step outlasts the time between failures)."""
+    def planned(scale: float) -> dict:
+        out = raw()
+        for r in out["regions"]:
+            r["bandwidth_gbps"] = {k: v * scale for k, v in r.get("bandwidth_gbps", {}).items()}
+        return plan_run(parse_plan(out))
+
+    wide, thin, none = planned(1.0), planned(0.02), planned(0.005)
+    assert wide["recommended"]["H"] == 12
+    assert thin["recommended"]["H"] > 12 and thin["recommended"]["feasible"]
+    assert none["recommended"] is None and none["why_none"]
+    assert all(o["reasons"] for o in none["options"] if not o["feasible"])
 
 
 @pytest.mark.unit

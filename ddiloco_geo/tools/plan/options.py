@@ -134,6 +134,10 @@ def evaluate_ddiloco(plan: PlanInput, names: tuple[str, ...], home: str, purchas
         return opt
     opt.efficiency, opt.efficiency_source = eff.ratio, eff.source
     rate = tokens_per_s(plan, learners)
+    if rate <= 0:
+        opt.feasible = False
+        opt.reasons.append("no learner makes progress: interruptions come faster than its steps and checkpoints")
+        return opt
     opt.tokens_to_buy = job.tokens / eff.ratio
     opt.wall_h = opt.tokens_to_buy / rate / 3600
     ideal = sum(job.tokens_per_step / ln.step_s for ln in learners)
@@ -201,6 +205,11 @@ def evaluate_dp(plan: PlanInput, names: tuple[str, ...], purchase: str) -> Optio
     model = ClusterModel(mtbi_days=accel / rate, slice_chips=slice_chips, repair_s=job.repair_s, step_s=compute + comm)
     opt.goodput = dp_outcome(accel, model).goodput
     opt.accelerators = accel
+    if opt.goodput <= 0:
+        opt.feasible = False
+        opt.reasons.append(f"no progress: at {compute + comm:.3g} s a step the job fails faster than it steps and "
+                           "checkpoints")
+        return opt
     opt.tokens_to_buy = job.tokens / eff.ratio
     opt.wall_h = opt.tokens_to_buy / (batch / (compute + comm) * opt.goodput) / 3600
     steps = opt.tokens_to_buy / batch
