@@ -211,7 +211,7 @@ class RunConfig(Section):
     """Run-level settings every process must agree on; recorded in ``run.json`` by the first syncer
     and checked against it when a learner joins (a mismatch is an error, never silently ignored)."""
 
-    codec: Codec = Field("int4", description="wire codec of learners' deltas")
+    codec: Codec = Field("int4", description="wire codec of learners' deltas (topk: measured at fragments.sync_every=24)")
     quant_block: int = Field(128, ge=8, description="quantization block of the int8/int4 codecs (values per scale)")
     topk_chunk: int = Field(4096, ge=2, le=4096, description="topk codec (deltas, and update objects with "
                             "syncer.update_codec=topk): values per chunk; each kept index takes bit_length(chunk - 1) bits")
@@ -227,7 +227,7 @@ class RunConfig(Section):
 
 class FragmentConfig(Section):
     num_fragments: int = Field(24, ge=1, description="P; fewer if the model has fewer tensors")
-    sync_every: int = Field(24, ge=1, description="H: inner steps between two syncs of one fragment")
+    sync_every: int = Field(16, ge=1, description="H: inner steps between two syncs of one fragment (bytes ~ 1/H)")
     overlap: int = Field(2, ge=0, description="tau: steps a learner keeps training while a fragment is in flight")
 
 

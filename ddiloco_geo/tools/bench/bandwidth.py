@@ -1,6 +1,6 @@
 """``ddiloco-geo bench bandwidth``: bytes on the wire per token, against data-parallel.
 
-Runs M learners and a syncer with the default algorithm settings (P = H = 24, tau = 2, int4 deltas,
+Runs M learners and a syncer with the default algorithm settings (P = 24, H = 16, tau = 2, int4 deltas,
 int4 update objects, K = 1 with the grace window) on the in-process harness, each learner with its
 own store client so its traffic is counted on its own, and measures, per learner and per token:
 
@@ -27,7 +27,7 @@ from ddiloco_geo.tools.inprocess import InProcessRun, LearnerSpeed
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--learners", type=int, default=4)
-    p.add_argument("--steps", type=int, default=144, help="inner steps per learner (6 sync periods at H=24)")
+    p.add_argument("--steps", type=int, default=144, help="inner steps per learner (9 sync periods at H=16)")
     p.add_argument("--max-bytes", type=int, default=1_000_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], dest="overrides", help="extra settings KEY=VALUE")

@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to bring the fp32 add's spread under 5%% (default 60)")
     p.add_argument("--params", type=float, default=1e9, help="model size of the capacity figure")
     p.add_argument("--steps-per-s", type=float, default=1.0, help="learner steps per second (capacity)")
-    p.add_argument("--sync-every", type=int, default=24, help="H: steps between two sends of a fragment")
+    p.add_argument("--sync-every", type=int, default=config.FragmentConfig().sync_every,
+                   help="H: steps between two sends of a fragment (default: fragments.sync_every's)")
 
 
 class Round:
