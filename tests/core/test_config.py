@@ -18,7 +18,7 @@ def write_toml(tmp_path, text):
 def test_defaults_match_the_design_numbers():
     settings, origin = config.load(environ={})
     assert settings.fragments.num_fragments == 24
-    assert settings.fragments.sync_every == 16  # 1.2 points better than 24 at 166x fewer bytes than DP (docs/benchmarks.md)
+    assert settings.fragments.sync_every == 16  # 7 runs: 1.5 points better than 24 (docs/benchmarks.md)
     assert settings.fragments.overlap == 2
     assert settings.syncer.quorum == 1
     assert settings.syncer.outer_lr == 0.4  # Nesterov 0.4/0.9: measured best at the full budget (docs/benchmarks.md)

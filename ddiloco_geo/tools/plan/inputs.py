@@ -56,8 +56,8 @@ DEFAULT_EFFICIENCY = (
                "the stop-14 defaults and 0.72 at small scale (254k tokens, M=2)"),
     Efficiency("ddiloco", "int4", 16, 0.70,
                "measured at a compute-optimal budget: bench convergence, arm 'adopt' at the stop-25 defaults "
-               "(H=16, learner.schedule=run), M=4, 0.5M-parameter GPT, 10.2M tokens, Shakespeare seed 0: "
-               "dp_equivalent 0.77 where H=24 measured 0.70 on the same machine (docs/benchmarks.md, stop 24); "
+               "(H=16, P=24, learner.schedule=run), M=4, 0.5M-parameter GPT, 10.2M tokens, Shakespeare seed 0: "
+               "dp_equivalent 0.77 where H=24 measured 0.70 on the same machine (docs/benchmarks.md, stop 25); "
                "scaled to the H=24 row's machine (0.64 x 0.77/0.70)"),
     Efficiency("ddiloco", "int4", 12, 0.73,
                "as the H=16 row, at H=12: dp_equivalent 0.80 against 0.70 at H=24 on the same machine, "
