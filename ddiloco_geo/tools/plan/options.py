@@ -136,7 +136,8 @@ def evaluate_ddiloco(plan: PlanInput, names: tuple[str, ...], home: str, purchas
     rate = tokens_per_s(plan, learners)
     if rate <= 0:
         opt.feasible = False
-        opt.reasons.append("no learner makes progress: interruptions come faster than its steps and checkpoints")
+        opt.reasons.append("no learner makes progress: interruptions come faster than its steps and checkpoints "
+                           "(plan on-demand capacity, or a smaller repair_s)")
         return opt
     opt.tokens_to_buy = job.tokens / eff.ratio
     opt.wall_h = opt.tokens_to_buy / rate / 3600
@@ -208,7 +209,7 @@ def evaluate_dp(plan: PlanInput, names: tuple[str, ...], purchase: str) -> Optio
     if opt.goodput <= 0:
         opt.feasible = False
         opt.reasons.append(f"no progress: at {compute + comm:.3g} s a step the job fails faster than it steps and "
-                           "checkpoints")
+                           "checkpoints (plan on-demand capacity, fewer regions, or faster links)")
         return opt
     opt.tokens_to_buy = job.tokens / eff.ratio
     opt.wall_h = opt.tokens_to_buy / (batch / (compute + comm) * opt.goodput) / 3600
