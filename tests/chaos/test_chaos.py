@@ -213,6 +213,36 @@ def test_first_merge_after_a_restart():
     assert first_merge_after(records, "a", 10) is None
 
 
+def test_a_restarted_learner_with_no_work_left_is_not_a_lost_merge():
+    from types import SimpleNamespace
+
+    from ddiloco_geo.tools.chaos.report import recovery
+    from ddiloco_geo.tools.chaos.supervisor import Proc
+
+    def proc(name, pid, incarnation, first_seq):
+        child = SimpleNamespace(pid=pid, started=10.0 * incarnation, exit_time=None, returncode=0)
+        return Proc(name, "learner", name.rsplit(".", 1)[0], incarnation, child, first_seq=first_seq)
+
+    procs = [proc("a.0", 1, 0, 0), proc("a.1", 2, 1, 5), proc("b.0", 3, 0, 0), proc("b.1", 4, 1, 7),
+             proc("c.0", 5, 0, 0), proc("c.1", 6, 1, 9)]
+    records = [{"kind": "merge", "published_at": 15.0, "merged": [{"learner": "a", "seq": 5}]}]
+    keys = {2: ["learners/a/deltas/s000000000005-f000.st"], 4: [], 6: []}
+    # b.1 came back after its peers had spent the run's budget: no delta, exit reason max_steps.
+    # c.1 wrote nothing either but did not end with the budget (it hung, was killed, or crashed).
+    exits = {4: {"pid": 4, "reason": "max_steps", "step": 40}, 6: {"pid": 6, "reason": "sigterm", "step": 12}}
+    sup = SimpleNamespace(t0=0.0, procs=procs)
+    out, detail, merged = recovery(sup, procs, records, [15.0], keys, exits)
+    assert merged == {"a.1": True, "c.1": False}
+    assert [d["no_work_left"] for d in detail] == [False, True, False]
+    assert out["restart_to_first_merge"] == [5.0]
+    assert goals({"timed_out": False, "downtime_s": 0, "stalls": [], "deltas_unaccounted": 0, "deltas_written": 1,
+                  "deltas_merged": 1, "deltas_rejected": 0, "restarted_merged_after_restart": merged,
+                  "processes_failed": []})["restarted_learners_merged"] is False
+    # a restarted learner that wrote deltas needs a merge after its restart whatever its exit reason
+    exits[2] = {"pid": 2, "reason": "max_steps", "step": 30}
+    assert recovery(sup, procs, [], [], keys, exits)[2]["a.1"] is False
+
+
 def test_downtime_and_stalls_are_judged_against_the_runs_own_timings():
     from ddiloco_geo.tools.chaos.goals import STEP_PATIENCE, real_downtime, stall_period
 
@@ -287,8 +317,13 @@ def test_short_chaos_run_on_the_moto_server(make_storage_config, tmp_path):
     # every delta counted exactly once (one rejected by one syncer and folded into a merged delta
     # by the other counts as merged)
     assert report["deltas_written"] == report["deltas_merged"] + report["deltas_rejected"] > 0
+    # every restarted learner's work after its restart was merged; one that came back after its peers
+    # had trained its share of the run's budget (learner.schedule=run) wrote nothing and says so
     restarted = report["restarted_merged_after_restart"]
-    assert len(restarted) >= 2 and all(restarted.values()), report["restarts"]
+    assert len(report["restarts"]) >= 2, report["restarts"]
+    for r in report["restarts"]:
+        assert r["process"] in restarted or (r["no_work_left"] and r["deltas_written"] == 0), report["restarts"]
+    assert restarted and all(restarted.values()), report["restarts"]
     assert len(report["recovery_s"]["restart_to_first_merge"]) == len(restarted)
     assert report["recovery_s"]["notice_to_exit"]  # how fast: a benchmark figure, not a test
     assert 0 < report["goodput"] <= 1

@@ -104,21 +104,25 @@ def incarnation_keys(learners: list[Proc], headers: dict[str, dict[str, Any]]) -
     return out
 
 
-def incarnation_table(store: Store, learners: list[Proc], headers: dict[str, dict[str, Any]],
-                      num_learners: int) -> dict[str, list[dict[str, Any]]]:
-    """Per learner, its incarnations in start order as :func:`~.goals.compute_goodput` takes them."""
-    exits = {}
-    for i in range(num_learners):
+def exit_records(store: Store, learners: list[Proc]) -> dict[int, dict[str, Any]]:
+    """Learner process pid -> its exit record (each learner keeps only its newest one, so an
+    incarnation that a later one replaced has none here)."""
+    out = {}
+    for lid in sorted({p.target for p in learners}):
         try:
-            exits[f"learner-{i}"] = json.loads(store.get(layout.exit_key(f"learner-{i}")))
+            rec = json.loads(store.get(layout.exit_key(lid)))
         except (NotFoundError, ValueError):
-            pass
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("pid"), int):
+            out[rec["pid"]] = rec
+    return out
+
+
+def incarnation_table(learners: list[Proc], headers: dict[str, dict[str, Any]],
+                      exits: dict[int, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per learner, its incarnations in start order as :func:`~.goals.compute_goodput` takes them."""
     # each incarnation's last step: its exit record if it wrote one, else what was seen of it
-    exit_steps: dict[int, int] = {}
-    for p in learners:
-        rec = exits.get(p.target)
-        if rec and rec.get("pid") == p.pid:
-            exit_steps[p.pid] = int(rec["step"])
+    exit_steps = {p.pid: int(exits[p.pid]["step"]) for p in learners if p.pid in exits}
     incs: dict[str, list[dict[str, Any]]] = {}
     keys = incarnation_keys(learners, headers)
     for lid in sorted({p.target for p in learners}):
@@ -181,9 +185,15 @@ def stalls_of(sup: Supervisor, learners: list[Proc], pubs: list[float], period_s
     return find_stalls(pubs, deliveries, syncer_up, period_s)
 
 
-def recovery(sup: Supervisor, learners: list[Proc], records: list[dict[str, Any]],
-             pubs: list[float]) -> tuple[dict[str, list[float]], list[dict[str, Any]], dict[str, bool]]:
-    """(recovery_s lists, per-restart detail, restarted process -> merged after its restart)."""
+def recovery(sup: Supervisor, learners: list[Proc], records: list[dict[str, Any]], pubs: list[float],
+             keys: dict[int, list[str]], exits: dict[int, dict[str, Any]],
+             ) -> tuple[dict[str, list[float]], list[dict[str, Any]], dict[str, bool]]:
+    """(recovery_s lists, per-restart detail, restarted process -> merged after its restart).
+
+    A restarted learner that wrote no delta and exited because the run's budget was spent
+    (``learner.schedule = run``: its peers trained its share while it was down, so it came back to
+    no work) has nothing to merge: its detail says ``no_work_left`` and it is not in the map. Any
+    other restarted learner without a merge after its restart is, and fails the goal."""
     notice = [round(p.exit_time - p.signalled_at, 3) for p in learners
               if p.signal == "SIGTERM" and p.exit_time is not None]
     restart_merge, restart_detail, restarted_merged = [], [], {}
@@ -195,9 +205,12 @@ def recovery(sup: Supervisor, learners: list[Proc], records: list[dict[str, Any]
         d = {"learner": p.target, "process": p.name, "restarted_at": round(p.started - sup.t0, 3),
              "first_seq": p.first_seq, "resume_step": p.s0,
              "restart_to_first_step": None if first_step is None else round(first_step - p.started, 3),
-             "restart_to_first_merge": None if first is None else round(first - p.started, 3)}
+             "restart_to_first_merge": None if first is None else round(first - p.started, 3),
+             "deltas_written": len(keys.get(p.pid, [])), "exit_reason": exits.get(p.pid, {}).get("reason")}
+        d["no_work_left"] = first is None and d["deltas_written"] == 0 and d["exit_reason"] == "max_steps"
         restart_detail.append(d)
-        restarted_merged[p.name] = first is not None
+        if not d["no_work_left"]:
+            restarted_merged[p.name] = first is not None
         if first is not None:
             restart_merge.append(d["restart_to_first_merge"])
     syncer_ready, syncer_publish, drains = [], [], []
@@ -247,7 +260,8 @@ def build_report(sup: Supervisor, store: Store, testbed: Testbed, evaluator: Eva
              time.monotonic() - t_read)
 
     learners = [p for p in sup.procs if p.role == "learner"]
-    incs = incarnation_table(store, learners, headers, plan["learners"])
+    exits = exit_records(store, learners)
+    incs = incarnation_table(learners, headers, exits)
     merged_entries = []
     for r in records:
         for e in r.get("merged", []):
@@ -265,8 +279,9 @@ def build_report(sup: Supervisor, store: Store, testbed: Testbed, evaluator: Eva
 
     pubs = [float(r["published_at"]) for r in records if r.get("kind") == "merge" and r.get("published_at")]
     period = stall_period(spec.sync_every, step_s, pubs)
-    stalls = stalls_of(sup, learners, pubs, period, incarnation_keys(learners, headers), accounted_at(records, rejected))
-    recovery_s, restart_detail, restarted_merged = recovery(sup, learners, records, pubs)
+    keys = incarnation_keys(learners, headers)
+    stalls = stalls_of(sup, learners, pubs, period, keys, accounted_at(records, rejected))
+    recovery_s, restart_detail, restarted_merged = recovery(sup, learners, records, pubs, keys, exits)
 
     faults_configured = [{"process": p.name, "pid": p.pid, "rate": p.settings["storage.fault_rate"],
                           "seed": p.settings["storage.fault_seed"]} for p in sup.procs if "storage.fault_rate" in p.settings]
