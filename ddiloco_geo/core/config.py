@@ -181,11 +181,11 @@ class SyncerConfig(Section):
     clip_ratio: float | None = Field(4.0, gt=1, description="merge guard: a contributor whose per-step norm exceeds "
                                      "this multiple of the fragment's reference is scaled down to it (recorded as 'clip' "
                                      "in the merge record, counted in status); None turns the guard off")
-    anchoring: Literal["current", "base"] = Field("current", description="'current': a delta counts as the pull "
-                                                  "Θ_current − θ_learner (the paper's anchoring); 'base': as the learner's own "
-                                                  "progress Θ_base − θ_learner, applied to the current global (a delta of a learner on a base at "
-                                                  "or below one it already had merged is anchored at 'current', so no "
-                                                  "progress is applied twice; recorded per merge entry as 'anchor')")
+    anchoring: Literal["current", "base"] = Field("base", description="'base': a delta counts as the learner's own "
+                                                  "progress Θ_base − θ_learner, applied to the current global (a resend on a base it "
+                                                  "already had merged is anchored at 'current', so no progress is applied twice; recorded "
+                                                  "per merge entry as 'anchor'); 'current': as the pull Θ_current − θ_learner (the paper's "
+                                                  "anchoring: a stale learner alone in a merge pulls the global back toward its model)")
     max_seq_ahead: int = Field(100_000, ge=1, description="a delta key more than this many sequence numbers past the "
                                "learner's last provable one is rejected unread (seq_ahead): an honest learner skips a "
                                "number only when its key is taken, so one foreign object cannot push its numbering away")

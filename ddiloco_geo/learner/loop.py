@@ -174,8 +174,8 @@ class Learner:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def write_checkpoint(self, cursors: list[dict]) -> str | None:
-        """Local parameters, AdamW moments, counters, data cursors and clock (rank 0, create-only)."""
+    def write_checkpoint(self, cursors: list[dict], flushed: bool = False) -> str | None:
+        """Local parameters, AdamW moments, counters, data cursors, clock, ``flushed`` (rank 0, create-only)."""
         tensors, adam_steps = self._checkpoint_state()
         tensors.update(ckpt.residual_tensors(self.uploader.residuals()))
         header = codec.Header(
@@ -183,7 +183,8 @@ class Learner:
             clock=self.clock, num_steps=self.step, num_tokens=self.tokens_total,
             extra={"base_version": self.base_version, "c_steps": self.c_steps, "c_tokens": self.c_tokens,
                    "last_sent_step": self.last_sent_step, "cursors": cursors, "adam_steps": adam_steps,
-                   "world": self.world, "plan_digest": self.spec.plan.digest(), "reason": self.stop_reason},
+                   "world": self.world, "plan_digest": self.spec.plan.digest(), "reason": self.stop_reason,
+                   "flushed": flushed},
         )
         return ckpt.write_checkpoint(self.store, self.learner_id, tensors, header, signer=self.signer)
 
@@ -193,9 +194,10 @@ class Learner:
         return ckpt.checkpoint_tensors(modelmod.get_tensors(self.model, names), self.model, self.optimizer)
 
     def _resume(self, index: dict[int, int]) -> str | None:
-        """Continue from this learner's newest checkpoint: its data cursors, step count and AdamW
-        moments always; its parameters and counters too when its base versions are within the
-        syncer's staleness bound of the current globals (else it keeps the latest globals)."""
+        """Continue from this learner's newest checkpoint: data cursors, step count and AdamW moments
+        always; clock and top-k residuals within the syncer's staleness bound; parameters and counters
+        only if also its exit flush did not finish (after a flushed exit the bucket holds every step,
+        and old parameters sent that work again as a pull back toward an old model: docs/design.md)."""
         found, self.resumed_residual = None, {}
         if self.rank == 0:
             found = ckpt.latest_checkpoint(self.store, self.learner_id, self.spec.run_id, verifier=self.own_verifier,
@@ -209,8 +211,8 @@ class Learner:
             if not usable:
                 log.warning("checkpoint_ignored key=%s reason=plan_or_world_changed", key)
             else:
-                plan = {"key": key, "compatible": compatible, "step": header.num_steps,
-                        "tokens": header.num_tokens, **{k: ex[k] for k in
+                plan = {"key": key, "compatible": compatible, "params": compatible and ex.get("flushed") is not True,
+                        "step": header.num_steps, "tokens": header.num_tokens, **{k: ex[k] for k in
                         ("cursors", "c_steps", "c_tokens", "last_sent_step", "adam_steps", "base_version")}}
         info = ranks.broadcast_object(plan, self.world)
         if info is None:
@@ -218,10 +220,11 @@ class Learner:
         self.reader.load_state_dict(info["cursors"][self.rank])
         self.step, self.tokens_total = int(info["step"]), int(info["tokens"])
         tensors = found[2] if found is not None else {}
-        if info["compatible"]:
+        if info["compatible"] and self.rank == 0:
+            self.clock = self.clock.merge(found[1].clock)
+            self.resumed_residual = ckpt.residuals_of(found[2], self.spec.plan)
+        if info["params"]:
             if self.rank == 0:
-                self.clock = self.clock.merge(found[1].clock)
-                self.resumed_residual = ckpt.residuals_of(found[2], self.spec.plan)
                 for p, v in enumerate(info["base_version"]):
                     if int(v) != self.base_version[p]:
                         self.base[p] = self._read_global(p, int(v))[1]
@@ -233,15 +236,14 @@ class Learner:
         ckpt.restore_adam(self.optimizer, self.model, tensors, info["adam_steps"], rank=self.rank, world=self.world,
                           device=self.device)
         log.info("learner_resumed learner=%s checkpoint=%s step=%d params=%s", self.learner_id, info["key"],
-                 self.step, "checkpoint" if info["compatible"] else "latest globals")
+                 self.step, "checkpoint" if info["params"] else "latest globals")
         return info["key"]
 
     # --- the step --------------------------------------------------------------------------------
 
     def adopt(self, adoptions: dict) -> None:
-        """Adopt new global versions (``learner.adopt``): overwrite the fragment, losing the work since
-        its last send, or keep that work on top of the new global (``keep_progress``): the sent part
-        is in flight to the syncer, the unsent part stays local and goes out with the next delta."""
+        """Adopt new global versions (``learner.adopt``): overwrite the fragment, losing the work since its
+        last send, or keep the unsent part of it on top of the new global (``keep_progress``)."""
         if adoptions:
             self.metrics.globals_adopted_total.inc(len(adoptions))
         for p, (version, tensors, clock) in adoptions.items():
@@ -301,7 +303,8 @@ class Learner:
         if self.rank == 0:  # since the base (cumulative), or since the previous send (increments)
             since, c0, t0 = (self.ref[p], self.c_ref_steps[p], self.c_ref_tokens[p]) if self.increments else (self.base[p], 0, 0)
             self.uploader.submit(Outgoing(p, {n: since[n] - local[n] for n in names}, self.base_version[p], self.c_steps[p] - c0,
-                                          self.c_tokens[p] - t0, self.step, step_s, self.clock, self.increments))
+                                          self.c_tokens[p] - t0, self.step, step_s, self.clock, self.increments,
+                                          first_on_base=not self.increments and self.c_ref_steps[p] == 0))  # no send on this base yet
         self.last_sent_step[p] = self.step
         if self.keep_progress or self.increments:
             self.ref[p] = local
@@ -392,11 +395,9 @@ class Learner:
     # --- shutdown --------------------------------------------------------------------------------
 
     def finish(self) -> dict[str, Any]:
-        """Shut down in order: flush a delta for every fragment with unsent work and drain the
-        uploader, then checkpoint and deregister, within ``flush_deadline_s``; stop and join the
-        threads. Deltas go first: they carry the work into the model; a checkpoint that cannot
-        finish in time is simply not created (objects are create-only), and a restart then starts
-        from the latest globals. Idempotent."""
+        """Shut down in order within ``flush_deadline_s``: flush a delta for every fragment with unsent
+        work, drain the uploader (deltas carry the work into the model), checkpoint (not created if it
+        cannot finish: a restart then takes the latest globals), deregister; join the threads. Idempotent."""
         if self.closed:
             return {}
         self.closed = True
@@ -413,7 +414,7 @@ class Learner:
             self._flush_sends()
             flushed = self.uploader.close(self.cfg.flush_deadline_s)
             self.poller.stop()
-            checkpoint = self._exit_checkpoint(cursors, t0)
+            checkpoint = self._exit_checkpoint(cursors, t0, flushed)
         finally:
             self.presence.stop()
         summary = status_record(self, "exited")
@@ -430,18 +431,17 @@ class Learner:
             if self.step > self.last_sent_step[p]:
                 self.send(p, 0.0)
 
-    def _exit_checkpoint(self, cursors: list[dict], t0: float) -> str | None:
+    def _exit_checkpoint(self, cursors: list[dict], t0: float, flushed: bool) -> str | None:
         if not self.cfg.checkpoint_on_exit:
             return None
         checkpoint = None
         try:
-            checkpoint = self.write_checkpoint(cursors)
+            checkpoint = self.write_checkpoint(cursors, flushed)
         except StorageError as exc:
             log.warning("checkpoint_failed error=%s", exc)
         if time.monotonic() - t0 > self.cfg.flush_deadline_s:
-            log.warning("checkpoint_late learner=%s exit_s=%.1f deadline_s=%.1f: a slow link; consider "
-                        "a longer flush deadline or learner.checkpoint_on_exit=false", self.learner_id,
-                        time.monotonic() - t0, self.cfg.flush_deadline_s)
+            log.warning("checkpoint_late learner=%s exit_s=%.1f deadline_s=%.1f: a slow link; consider a longer flush "
+                        "deadline or learner.checkpoint_on_exit=false", self.learner_id, time.monotonic() - t0, self.cfg.flush_deadline_s)
         return checkpoint
 
 

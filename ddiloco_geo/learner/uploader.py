@@ -56,6 +56,7 @@ class Outgoing:
     step_s: float
     clock: VectorClock
     increment: bool = False  # progress since the previous send (error feedback), not since the base
+    first_on_base: bool = False  # cumulative, and no earlier delta of this learner on the same base holds any of it
 
     def absorb(self, older: "Outgoing") -> None:
         """Add an older increment of the same fragment into this one."""
@@ -105,6 +106,7 @@ class Uploader:
                 elif queued.base_version != item.base_version or item.increment or queued.increment:
                     continue
                 # (cumulative since their base: only a delta on the same base contains the queued one)
+                item.first_on_base = item.first_on_base or queued.first_on_base  # the queued one never went out
                 self.queue[i] = item
                 self.counters["deltas_coalesced"] += 1
                 self.metrics.upload_drops_total.inc(reason="coalesced")
@@ -189,7 +191,8 @@ class Uploader:
                 kind="delta", run_id=self.spec.run_id, fragment=item.fragment, learner=self.learner, seq=seq,
                 base_version=item.base_version, clock=item.clock.merge(VectorClock({self.learner: seq + 1})),
                 num_steps=steps, num_tokens=tokens,
-                extra={"step": item.step, "step_s": item.step_s, **({"increment": True} if item.increment else {})},
+                extra={"step": item.step, "step_s": item.step_s, **({"increment": True} if item.increment else {}),
+                       **({"first_on_base": True} if item.first_on_base else {})},
             )
             data = codec.encode(payload, header, codec=self.codec_name, block_size=self.block_size,
                                 topk=self.topk, signer=self.signer)

@@ -94,14 +94,19 @@ def clip_factor(state: FragmentState, d: PendingDelta, clip_ratio: float | None)
 def anchoring_of(state: FragmentState, d: PendingDelta, anchoring: str) -> str:
     """How one contributor is anchored. ``base`` applies the learner's progress Θ_base − θ_learner as
     it is, except for a delta whose base is at or below the base of this learner's newest merged
-    delta on the fragment: the learner sent again before adopting the version that holds its earlier
-    delta, so its progress still carries the merged part, and it is anchored at the current global
-    (a pull, which never applies anything twice). An increment (a delta marked ``increment``: the
-    learner's progress since its previous send, with error feedback) is always applied as it is:
-    it holds no earlier delta's work, and pulling would undo what the residual carries."""
+    delta on the fragment and that is not marked ``first_on_base``: the learner sent again before
+    adopting the version that holds its earlier delta, so its progress still carries the merged part,
+    and it is anchored at the current global (a pull, which never applies anything twice). A delta
+    marked ``first_on_base`` (the learner's first send since it adopted or joined at that base: a
+    learner restarted from the latest globals, whose earlier incarnation's delta on the same base was
+    merged) holds no earlier delta's work and is applied as it is. An increment (a delta marked
+    ``increment``: the learner's progress since its previous send, with error feedback) is always
+    applied as it is: it holds no earlier delta's work, and pulling would undo what the residual
+    carries."""
     if is_increment(d):
         return "base"
-    if anchoring == "base" and d.header.base_version <= state.merged_base.get(d.learner, -1):
+    if anchoring == "base" and d.header.base_version <= state.merged_base.get(d.learner, -1) \
+            and d.header.extra.get("first_on_base") is not True:
         return "current"
     return anchoring
 

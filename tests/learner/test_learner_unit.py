@@ -218,6 +218,65 @@ def test_a_corrupt_or_truncated_checkpoint_is_ignored_with_a_warning(tiny_run, c
     assert second.step == 3
 
 
+def test_a_restart_after_a_flushed_exit_takes_the_latest_globals(tiny_run):
+    """A flushed exit put every step's work in the bucket: the restarted learner keeps its step, data
+    cursors and AdamW state but starts from the latest globals, so it does not send that work a second
+    time as a pull of the global back toward its old model (chaos seed 11). A checkpoint that holds
+    work no delta carries (an exit whose flush did not finish) still resumes its parameters."""
+    import asyncio
+
+    run = tiny_run()
+    syncer = run.syncer()
+    first = _learner(run)
+    for _ in range(6):
+        first.step_once()
+    summary = first.finish()
+    assert summary["flushed"] and summary["checkpoint"]
+    old = {n: t.detach().clone() for n, t in first.model.named_parameters()}
+    asyncio.run(syncer.poll_once())
+    syncer.draining = True
+    assert syncer.merge_ready() > 0  # new globals hold the flushed work
+    index, _ = protocol.read_index(run.store)
+    P = run.spec.plan.num_fragments
+    assert any(index[p] > 0 for p in range(P))
+    latest = {n: t for p in range(P) for n, t in run.fragment_params(p, index[p]).items()}
+
+    second = _learner(run)
+    assert second.resumed_from == summary["checkpoint"] and second.step == 6
+    assert second.base_version == [index[p] for p in range(P)] and second.c_steps == [0] * P
+    for n, t in second.model.named_parameters():
+        assert torch.equal(t.detach(), latest[n]), n
+    assert any(not torch.equal(old[n], latest[n]) for n in old)  # the old parameters were not taken
+
+    for _ in range(3):  # work that no delta carries yet, then a checkpoint without a flush
+        second.step_once()
+    unsent = {n: t.detach().clone() for n, t in second.model.named_parameters()}
+    key = second.write_checkpoint([second.reader.state_dict()])
+    third = _learner(run)
+    assert third.resumed_from == key and third.step == 9
+    for n, t in third.model.named_parameters():
+        assert torch.equal(t.detach(), unsent[n]), n
+
+
+def test_only_the_first_send_on_a_base_is_marked_first_on_base(tiny_run):
+    """The syncer applies a delta marked first_on_base as the learner's progress even on a base it had
+    merged a delta of before (syncer.anchoring=base): only a send with no earlier send on the same
+    base may carry the mark, so a resend that contains a merged delta is never applied twice."""
+    run = tiny_run()
+    run.syncer()
+    learner = _learner(run)
+    P = run.spec.plan.num_fragments
+    for _ in range(3 * run.spec.sync_every):  # no merges: every send of a fragment is on base 0
+        learner.step_once()
+    marks: dict[int, list] = {}
+    for key in sorted(run.store.list(layout.deltas_dir("l0"))):
+        header = protocol.read_header(run.store, key)
+        assert header.base_version == 0
+        marks.setdefault(header.fragment, []).append(header.extra.get("first_on_base", False))
+    assert set(marks) == set(range(P))
+    assert all(m[0] is True and not any(m[1:]) and len(m) >= 2 for m in marks.values()), marks
+
+
 def test_only_unusable_checkpoints_mean_a_fresh_start(tiny_run, caplog):
     run, _ = _signed_run(tiny_run)
     run.store.put_if_absent(layout.checkpoint_key("l0", 0), b"\x08\x00\x00\x00\x00\x00\x00\x00{}")

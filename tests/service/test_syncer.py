@@ -106,7 +106,7 @@ def test_stale_delta_is_anchored_at_the_current_global(tiny_run):
     # outer lr 1, no momentum: a lone contributor's merge makes the global equal its parameters,
     # so a stale learner's result shows whether it was rebuilt from its own base version
     run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
-                      "syncer.update_codec": "fp32"})
+                      "syncer.update_codec": "fp32", "syncer.anchoring": "current"})
     syncer = run.syncer()
     p = 0
     run.write_delta("a", p, pg_const(run, p, 0.5))
@@ -161,12 +161,28 @@ def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_bas
     rec = protocol.read_header(run.store, layout.global_key(p, 3)).extra
     assert rec["merged"][0]["anchor"] == "current"
 
+    # a learner restarted from the latest globals sends its first delta on a base its earlier
+    # incarnation had merged: marked first_on_base, it holds only new work and is applied as it is
+    fresh = pg_const(run, p, 0.125)
+    run.write_delta("a", p, fresh, base_version=3, header_overrides={"extra": {"first_on_base": True}})
+    run.write_delta("b", p, pg_const(run, p, 0.25), base_version=3)
+    poll(syncer)
+    syncer.merge_ready()
+    assert syncer.fragments[p].merged_base == {"a": 3, "b": 3}
+    run.write_delta("a", p, pg_const(run, p, 0.5), base_version=3, header_overrides={"extra": {"first_on_base": True}})
+    poll(syncer)
+    syncer.merge_ready()
+    v4, v5 = run.fragment_params(p, 4), run.fragment_params(p, 5)
+    for n in v5:
+        torch.testing.assert_close(v5[n], v4[n] - 0.5, rtol=1e-6, atol=1e-6)  # v4 - 0.5, not a pull to v3 - 0.5
+    assert "anchor" not in protocol.read_header(run.store, layout.global_key(p, 5)).extra["merged"][0]
+
 
 def test_increments_all_contribute_and_are_applied_as_progress(tiny_run):
     # deltas marked increment (error feedback): two from one learner on one base hold disjoint work,
     # so neither supersedes the other; a stale one is applied as it is, under either anchoring
     run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
-                      "syncer.update_codec": "fp32"})
+                      "syncer.update_codec": "fp32", "syncer.anchoring": "current"})
     syncer = run.syncer()
     p, inc = 0, {"extra": {"increment": True}}
     base0 = run.fragment_params(p, 0)
