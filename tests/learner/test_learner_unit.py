@@ -65,6 +65,25 @@ def test_full_upload_queue_coalesces_a_fragment_and_drops_the_oldest_other(tiny_
     assert up.thread is not None and not up.thread.is_alive()
 
 
+def test_a_first_send_on_a_base_keeps_its_mark_when_a_later_one_replaces_it_in_the_queue(tiny_run):
+    # the queued first send never went out, so the delta that replaces it is the first on its base
+    run = tiny_run()
+    gated = _GatedStore(run.store)
+    up = Uploader(gated, run.spec, "l0", maxsize=4, codec_name="fp32", block_size=128, first_seq=0)
+    up.submit(_outgoing(run, 0))                            # taken by the thread, held at the gate
+    assert gated.entered.wait(10)
+    first = _outgoing(run, 1)
+    first.first_on_base = True
+    up.submit(first)                                        # queued
+    up.submit(_outgoing(run, 1, steps=3))                   # a resend on the same base: replaces it
+    assert up.counters["deltas_coalesced"] == 1
+    gated.gate.set()
+    assert up.close(deadline_s=20)
+    marks = {layout.parse_delta_key(k).fragment: protocol.read_header(run.store, k).extra.get("first_on_base")
+             for k in run.store.list(layout.deltas_dir("l0"))}
+    assert marks == {0: None, 1: True}
+
+
 def test_increments_are_summed_in_the_queue_and_a_dropped_one_is_folded_into_the_residual(tiny_run):
     run = tiny_run()
     gated = _GatedStore(run.store)

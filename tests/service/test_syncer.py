@@ -176,6 +176,11 @@ def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_bas
     for n in v5:
         torch.testing.assert_close(v5[n], v4[n] - 0.5, rtol=1e-6, atol=1e-6)  # v4 - 0.5, not a pull to v3 - 0.5
     assert "anchor" not in protocol.read_header(run.store, layout.global_key(p, 5)).extra["merged"][0]
+    # only the JSON value true marks it: anything else is an unmarked resend on a merged base, pulled
+    run.write_delta("a", p, pg_const(run, p, 0.375), base_version=3, header_overrides={"extra": {"first_on_base": "true"}})
+    poll(syncer)
+    syncer.merge_ready()
+    assert protocol.read_header(run.store, layout.global_key(p, 6)).extra["merged"][0]["anchor"] == "current"
 
 
 def test_increments_all_contribute_and_are_applied_as_progress(tiny_run):
