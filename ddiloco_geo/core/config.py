@@ -162,13 +162,10 @@ class SyncerConfig(Section):
     quorum: int = Field(1, ge=1, description="minimum learners K before a fragment is merged")
     grace_gamma: float = Field(0.5, ge=0, lt=1, description="share of the slack spent waiting for stragglers (0 disables)")
     ema_decay: float = Field(0.8, gt=0, lt=1, description="EMA weight on the old value for timings (step times: one EMA per learner, their median)")
-    outer_lr: float = Field(0.4, gt=0, description="outer learning rate (1.0 with momentum 0 is plain averaging). 0.4 "
-                            "with Nesterov 0.9 (Streaming DiLoCo's) measured best for Decoupled DiLoCo at a compute-optimal "
-                            "budget on two seeds; plain averaging wins only in short runs (docs/benchmarks.md). In a "
-                            "run.codec=topk run the default is 1.0 with momentum 0: top-k deltas with error feedback "
-                            "under Nesterov 0.4/0.9 measured far worse (2.27 against 1.75)")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum; 0 by default in a "
-                                  "run.codec=topk run (see outer_lr)")
+    outer_lr: float = Field(0.4, gt=0, description="outer learning rate (1.0 with momentum 0 is plain averaging); 0.4 with Nesterov 0.9 "
+                            "measured best at a compute-optimal budget (docs/benchmarks.md). 1.0 with momentum 0 by default in a "
+                            "run.codec=topk run: top-k with error feedback under Nesterov 0.4/0.9 measured far worse (2.27 against 1.75)")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum; 0 by default in a run.codec=topk run (see outer_lr)")
     nesterov: bool = True
     merge_spacing: float = Field(1.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
     robust: Literal["none", "trimmed_mean", "median"] = Field("none", description="for untrusted learners: a coordinate-wise robust average instead of token-weighted RDA")
@@ -181,11 +178,14 @@ class SyncerConfig(Section):
     clip_ratio: float | None = Field(4.0, gt=1, description="merge guard: a contributor whose per-step norm exceeds "
                                      "this multiple of the fragment's reference is scaled down to it (recorded as 'clip' "
                                      "in the merge record, counted in status); None turns the guard off")
-    anchoring: Literal["current", "base"] = Field("base", description="'base': a delta counts as the learner's own "
-                                                  "progress Θ_base − θ_learner, applied to the current global (a resend on a base it "
-                                                  "already had merged is anchored at 'current', so no progress is applied twice; recorded "
-                                                  "per merge entry as 'anchor'); 'current': as the pull Θ_current − θ_learner (the paper's "
-                                                  "anchoring: a stale learner alone in a merge pulls the global back toward its model)")
+    anchoring: Literal["current", "base"] = Field("base", description="'base': a delta counts as the learner's own progress "
+        "Θ_base − θ_learner, applied to the current global (a resend on a base it already had merged is anchored at 'current', so no "
+        "progress is applied twice; recorded per merge entry as 'anchor'); 'current': as the pull Θ_current − θ_learner (the paper's "
+        "anchoring: a stale learner alone in a merge pulls the global back toward its model)")
+    final_merge: Literal["average", "outer"] = Field("average", description="'average': a merge holding a learner's final delta "
+        "(its exit flush when its schedule ends) averages the learners' models: the token-weighted mean, lr 1, momentum kept "
+        "(recorded as 'final' in the merge record): at the end of the run the outer momentum would carry the global past where "
+        "the learners are; 'outer': the usual outer step")
     max_seq_ahead: int = Field(100_000, ge=1, description="a delta key more than this many sequence numbers past the "
                                "learner's last provable one is rejected unread (seq_ahead): an honest learner skips a "
                                "number only when its key is taken, so one foreign object cannot push its numbering away")

@@ -298,13 +298,13 @@ class Learner:
         """Rank 0 uploads; every rank records the send (keep_progress needs the same ref everywhere)."""
         if self.c_steps[p] < 1 or self.last_sent_step[p] == self.step:
             return
-        names = self.spec.plan.fragments[p]
-        local = modelmod.get_tensors(self.model, names)
+        names = self.spec.plan.fragments[p]; local = modelmod.get_tensors(self.model, names)
         if self.rank == 0:  # since the base (cumulative), or since the previous send (increments)
             since, c0, t0 = (self.ref[p], self.c_ref_steps[p], self.c_ref_tokens[p]) if self.increments else (self.base[p], 0, 0)
             self.uploader.submit(Outgoing(p, {n: since[n] - local[n] for n in names}, self.base_version[p], self.c_steps[p] - c0,
                                           self.c_tokens[p] - t0, self.step, step_s, self.clock, self.increments,
-                                          first_on_base=not self.increments and self.c_ref_steps[p] == 0))  # no send on this base yet
+                                          first_on_base=not self.increments and self.c_ref_steps[p] == 0,  # no send on this base yet
+                                          final=self.stop_reason == "max_steps"))  # the exit flush at the schedule's end
         self.last_sent_step[p] = self.step
         if self.keep_progress or self.increments:
             self.ref[p] = local

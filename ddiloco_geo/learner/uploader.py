@@ -57,6 +57,7 @@ class Outgoing:
     clock: VectorClock
     increment: bool = False  # progress since the previous send (error feedback), not since the base
     first_on_base: bool = False  # cumulative, and no earlier delta of this learner on the same base holds any of it
+    final: bool = False  # sent by the exit flush at the end of the learner's schedule (syncer.final_merge)
 
     def absorb(self, older: "Outgoing") -> None:
         """Add an older increment of the same fragment into this one."""
@@ -192,7 +193,7 @@ class Uploader:
                 base_version=item.base_version, clock=item.clock.merge(VectorClock({self.learner: seq + 1})),
                 num_steps=steps, num_tokens=tokens,
                 extra={"step": item.step, "step_s": item.step_s, **({"increment": True} if item.increment else {}),
-                       **({"first_on_base": True} if item.first_on_base else {})},
+                       **({"first_on_base": True} if item.first_on_base else {}), **({"final": True} if item.final else {})},
             )
             data = codec.encode(payload, header, codec=self.codec_name, block_size=self.block_size,
                                 topk=self.topk, signer=self.signer)

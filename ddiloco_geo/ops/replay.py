@@ -267,7 +267,7 @@ class Replayer:
         outer = OuterOptimizer(**okw)
         outer.load_state_dict(outer_state_from_wire(state.momentum, state.header))
         new_params, stepped = merge_and_step(params, outer, anchored, weights, self.is_embedding, okw,
-                                             robust, rec.get("trim_ratio", 0.25), sparse)
+                                             robust, rec.get("trim_ratio", 0.25), sparse, rec.get("final") is True)
 
         momentum = {k: t for k, t in stepped.state_dict().items() if k.startswith(MOMENTUM_PREFIX)}
         common = {"momentum": momentum, "num_steps": stepped.num_steps,

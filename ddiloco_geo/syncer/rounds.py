@@ -136,18 +136,26 @@ def select_contributors(pending: list[PendingDelta]) -> tuple[list[PendingDelta]
     return list(newest.values()), superseded
 
 
+def is_final(contributors: list[PendingDelta]) -> bool:
+    """A contributor is a learner's final delta (sent by its exit flush at the end of its schedule).
+    Any, not all: a learner whose last regular send fell on its last step has nothing left to flush,
+    and its last delta joins the others' final ones unmarked."""
+    return any(d.header.extra.get("final") is True for d in contributors)
+
+
 @dataclass
 class Merge:
     params: dict[str, torch.Tensor]
     outer: OuterOptimizer
     clock: VectorClock
     entries: list[dict[str, Any]]
+    final: bool = False  # the learners' models averaged (see build_merge)
 
 
 def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: dict[int, dict[str, torch.Tensor]],
                 *, is_embedding: Callable[[str], bool], outer_kwargs: dict[str, Any], robust: str,
                 trim_ratio: float, sparse: str = "dense", anchoring: str = "current",
-                clip_ratio: float | None = None) -> Merge | None:
+                clip_ratio: float | None = None, final_merge: str = "outer") -> Merge | None:
     """Anchor, weigh, merge and step; None when no contributor carries weight.
 
     ``bases`` maps each contributor's base version to that global's parameters. ``anchoring``:
@@ -156,6 +164,10 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     pulling back what others merged since its base). ``clip_ratio``: the merge guard, see
     :func:`clip_factor`; a clipped contributor's entry records the factor (``clip``). ``sparse``:
     ``dense`` or ``per_index`` (:func:`ddiloco_geo.core.merge.per_index_mean`, for top-k deltas).
+    ``final_merge``: ``average`` averages the learners' models in a merge holding a final delta
+    (:func:`is_final`; ``final`` in :func:`~ddiloco_geo.core.outer.merge_and_step`): at the end of the
+    run the outer momentum would carry the global past where the learners are; ``outer`` steps every
+    merge alike.
     """
     anchored, weights, entries = [], [], []
     for d in contributors:
@@ -171,9 +183,10 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
                         **({"anchor": how} if how != anchoring else {})})
     if not anchored or sum(weights) <= 0:
         return None
+    final = final_merge == "average" and is_final(contributors)
     params, outer = merge_and_step(state.params, state.outer, anchored, weights, is_embedding,
-                                   outer_kwargs, robust, trim_ratio, sparse)
+                                   outer_kwargs, robust, trim_ratio, sparse, final)
     clock = state.clock
     for d in contributors:
         clock = clock.merge(d.header.clock)
-    return Merge(params, outer, clock, entries)
+    return Merge(params, outer, clock, entries, final)

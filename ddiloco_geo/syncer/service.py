@@ -5,22 +5,21 @@ Decoupled DiLoCo (arXiv 2604.21428, section "syncer"), over a bucket. For every 
 
 1. **intake** (:mod:`~ddiloco_geo.syncer.intake`): list, fetch, validate; reject with a record;
 2. **rounds** (:mod:`~ddiloco_geo.syncer.rounds`): quorum, adaptive grace, merge spacing; anchor,
-   token-weighted RDA, one outer Nesterov step (fp32, one state per fragment);
+   token-weighted RDA, one outer Nesterov step (fp32, one state per fragment; a plain average for the
+   learners' final deltas);
 3. **publish** (:func:`ddiloco_geo.protocol.publish.commit_version`): a create-only state object
    (momentum, residual, per-learner cursors), then the create-only global (the commit point) with
    the merge record, the int4 update object, the tape entry and the index.
 
-Failure semantics. The global object's create-only write is the commit point: a version exists
-once that object exists, and no two objects can exist for one version (split brain is impossible
-by construction). If the create loses (another syncer, or our own lost response), the syncer reads
-the winner and adopts its state, keeping the deltas the winner did not account for. A restarted
-syncer loads the newest global of each fragment and the state it names: cursors say exactly which
-deltas are accounted for, so none is merged twice; a delta is accounted for only by a published
-merge record or a rejection record, so none is dropped.
+Failure semantics. The global object's create-only write is the commit point: a version exists once that object
+exists, and no two objects can exist for one version (split brain is impossible by construction). If the create
+loses (another syncer, or our own lost response), the syncer reads the winner and adopts its state, keeping the
+deltas the winner did not account for. A restarted syncer loads the newest global of each fragment and the state
+it names: cursors say exactly which deltas are accounted for, so none is merged twice; a delta is accounted for
+only by a published merge record or a rejection record, so none is dropped.
 
-Shutdown: stop intake (``request_stop``), drain (one last poll, merge everything pending even below
-quorum) within ``drain_timeout_s``, write the final status; :meth:`close` is idempotent; the caller closes the store.
-"""
+Shutdown: stop intake (``request_stop``), drain (one last poll, merge everything pending even below quorum) within
+``drain_timeout_s``, write the final status; :meth:`close` is idempotent; the caller closes the store."""
 
 from __future__ import annotations
 
@@ -86,7 +85,7 @@ class Syncer:
         robust: str = "none",
         trim_ratio: float = 0.25,
         sparse_average: str = "auto",
-        anchoring: str = "current",
+        anchoring: str = "current", final_merge: str = "outer",
         clip_ratio: float | None = 4.0,
         quarantine_after: int = 20,
         max_seq_ahead: int = 100_000,
@@ -103,7 +102,7 @@ class Syncer:
         self.shard_index, self.num_shards = (int(x) for x in shard.split("/"))
         self.is_embedding = is_embedding
         self.update_codec = update_codec
-        self.robust, self.trim_ratio, self.anchoring, self.clip_ratio = robust, trim_ratio, anchoring, clip_ratio
+        self.robust, self.trim_ratio, self.anchoring, self.clip_ratio, self.final_merge = robust, trim_ratio, anchoring, clip_ratio, final_merge
         self.sparse_average = ("per_index" if spec.codec == "topk" else "dense") if sparse_average == "auto" else sparse_average
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.now = now
@@ -116,7 +115,7 @@ class Syncer:
             "deltas_seen": 0, "deltas_merged": 0, "deltas_superseded": 0, "deltas_rejected": 0,
             "rejected_by_reason": defaultdict(int), "versions_published": 0, "publish_races_lost": 0,
             "merges": 0, "contributors_total": 0, "grace_s_total": 0.0, "contributions_clipped": 0, "stale_contributions": 0,
-        }
+            "final_merges": 0}
         self.last_merge: dict[int, dict[str, Any]] = {}
         self.registry = Registry()
         self.metrics = syncer_metrics(self.registry)
@@ -242,7 +241,7 @@ class Syncer:
             consumed[d.learner] = max(d.seq, consumed.get(d.learner, -1))
         merged = build_merge(state, contributors, bases, is_embedding=self.is_embedding,
                              outer_kwargs=self.outer_kwargs, robust=self.robust, trim_ratio=self.trim_ratio,
-                             sparse=self.sparse_average, anchoring=self.anchoring, clip_ratio=self.clip_ratio)
+                             sparse=self.sparse_average, anchoring=self.anchoring, clip_ratio=self.clip_ratio, final_merge=self.final_merge)
         if merged is None:
             state.pending.clear()
             state.consumed = consumed
@@ -253,7 +252,7 @@ class Syncer:
             "kind": "merge", "merged": entries, "superseded": [d.key for d in superseded],
             "contributors": len({e["learner"] for e in entries}), "grace_s": grace,
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
-            "outer": self.outer_kwargs, "update_codec": self.update_codec,
+            "outer": self.outer_kwargs, **({"final": True} if merged.final else {}), "update_codec": self.update_codec,
             "robust": self.robust, "trim_ratio": self.trim_ratio, "anchoring": self.anchoring,
             "sparse_average": self.sparse_average, "clipped": sum(1 for e in entries if "clip" in e),
         }
@@ -271,6 +270,7 @@ class Syncer:
         self.counters["grace_s_total"] += grace
         self.counters["contributions_clipped"] += record["clipped"]
         self.counters["stale_contributions"] += sum(1 for s in record["staleness"] if s > 0)
+        self.counters["final_merges"] += record.get("final", False)
         self.ema_sync.update(self.now() - start)
         m = self.metrics
         m.deltas_merged_total.inc(len(entries) + num_superseded)

@@ -296,6 +296,29 @@ def test_only_the_first_send_on_a_base_is_marked_first_on_base(tiny_run):
     assert all(m[0] is True and not any(m[1:]) and len(m) >= 2 for m in marks.values()), marks
 
 
+@pytest.mark.parametrize("reason", ["max_steps", "signal"])
+def test_only_the_exit_flush_at_the_schedules_end_is_marked_final(tiny_run, reason):
+    """syncer.final_merge=average merges a learner's final deltas as a plain average: only the exit
+    flush of a learner whose schedule ended (reason max_steps) may mark them; a learner stopped by a
+    signal or a preemption notice leaves the run unfinished, and its flush is an ordinary send."""
+    run = tiny_run()
+    run.syncer()
+    H = run.spec.sync_every
+    learner = _learner(run, **({"max_steps": H + 3} if reason == "max_steps" else {}))
+    while learner.step < H + 3:
+        assert learner.step_once()
+    if reason == "signal":
+        learner.request_stop("signal")
+    assert not learner.step_once()
+    before = set(run.store.list(layout.deltas_dir("l0")))
+    learner.finish()
+    flushed = sorted(set(run.store.list(layout.deltas_dir("l0"))) - before)
+    marks = [protocol.read_header(run.store, k).extra.get("final") for k in before]
+    assert flushed and not any(marks)
+    assert all(protocol.read_header(run.store, k).extra.get("final") is (True if reason == "max_steps" else None)
+               for k in flushed)
+
+
 def test_only_unusable_checkpoints_mean_a_fresh_start(tiny_run, caplog):
     run, _ = _signed_run(tiny_run)
     run.store.put_if_absent(layout.checkpoint_key("l0", 0), b"\x08\x00\x00\x00\x00\x00\x00\x00{}")

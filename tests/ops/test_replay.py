@@ -202,6 +202,22 @@ def test_replay_follows_on_after_more_merges(history):
     assert replay(run.store, run.spec, outer_kwargs=OUTER)["ok"]
 
 
+def test_replay_reproduces_a_final_merge_and_the_steps_after_it(history):
+    # a merge holding final deltas averages the models (syncer.final_merge=average): its record says
+    # so, and replay recomputes it and the outer steps that follow it bit for bit
+    run, syncer = history(rounds=3)
+    final = {"extra": {"final": True}}
+    v = syncer.fragments[0].version
+    run.write_delta("a", 0, base_version=v, header_overrides=final)
+    run.write_delta("b", 0, base_version=v, header_overrides=final)
+    assert poll_and_merge(syncer) == 1
+    rec = protocol.read_header(run.store, layout.global_key(0, v + 1)).extra
+    assert rec["final"] is True
+    merge_rounds(run, syncer, 1, start=3)
+    result = replay(run.store, run.spec, outer_kwargs=OUTER)
+    assert result["ok"] and result["bitwise"], result["first_divergence"]
+
+
 def test_replay_without_an_update_object_tries_the_configured_codec(history):
     """A syncer that crashed between the global and its update object leaves no codec on record."""
     run, _ = history(rounds=3)

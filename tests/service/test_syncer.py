@@ -574,3 +574,62 @@ def test_signed_run_rejects_unsigned_forged_and_impersonating_deltas(tiny_run):
         protocol.read_global(run.store, run.spec, 2, 1,
                            verify=signing.syncer_verifier(signing.derive_key("other", "syncer")),
                            require_signature=True)
+
+
+def test_a_merge_holding_a_final_delta_averages_the_learners_models(tiny_run):
+    # syncer.final_merge=average (the default): a merge holding a learner's final delta (its exit flush
+    # at the end of its schedule) takes the weighted mean of the contributions in full, lr 1, not RDA,
+    # and leaves the momentum as it was; a later merge steps on with it
+    run = tiny_run(**{"syncer.outer_lr": 0.4, "syncer.outer_momentum": 0.9, "syncer.grace_gamma": 0.0,
+                      "syncer.update_codec": "fp32", "syncer.clip_ratio": None})
+    syncer = run.syncer()
+    p, final = 0, {"extra": {"final": True}}
+    run.write_delta("a", p, pg_const(run, p, 0.5))
+    run.write_delta("b", p, pg_const(run, p, 0.5))
+    poll(syncer)
+    syncer.merge_ready()
+    v0, v1 = run.fragment_params(p, 0), run.fragment_params(p, 1)
+    for n in v1:  # Nesterov: buf = 0.5, step 0.4 * (0.5 + 0.9 * 0.5)
+        torch.testing.assert_close(v1[n], v0[n] - 0.38, rtol=1e-6, atol=1e-6)
+    assert "final" not in protocol.read_header(run.store, layout.global_key(p, 1)).extra
+    momentum = {n: t.clone() for n, t in syncer.fragments[p].outer.state_dict().items()}
+    # a's final delta and b's last regular one (it had nothing left to flush): the mean of the two
+    # learners' models, v1 - (0.25 + 0.75) / 2; RDA would step by the mean norm in the mean direction
+    ones = {n: torch.ones(s) for n, s in run.spec.plan.expect(p).items()}
+    run.write_delta("a", p, {n: 0.25 * t for n, t in ones.items()}, base_version=1, header_overrides=final)
+    run.write_delta("b", p, {n: -0.75 * t for n, t in ones.items()}, base_version=1)
+    poll(syncer)
+    syncer.merge_ready()
+    v2 = run.fragment_params(p, 2)
+    for n in v2:
+        torch.testing.assert_close(v2[n], v1[n] + 0.25, rtol=1e-6, atol=1e-6)
+    rec = protocol.read_header(run.store, layout.global_key(p, 2)).extra
+    assert rec["final"] is True and rec["outer"] == {"lr": 0.4, "momentum": 0.9, "nesterov": True}
+    assert syncer.status()["counters"]["final_merges"] == 1
+    after = syncer.fragments[p].outer.state_dict()
+    assert all(torch.equal(after[k], momentum[k]) for k in momentum if k.startswith("momentum."))
+    assert int(after["num_steps"]) == int(momentum["num_steps"]) + 1
+    # the run goes on (a learner whose schedule ended while the others train on): Nesterov with the
+    # momentum kept, buf = 0.9 * 0.5 + 0.25 = 0.7, step 0.4 * (0.25 + 0.9 * 0.7); and only the JSON
+    # value true marks a delta final
+    run.write_delta("b", p, pg_const(run, p, 0.25), base_version=2, header_overrides={"extra": {"final": "true"}})
+    poll(syncer)
+    syncer.merge_ready()
+    v3 = run.fragment_params(p, 3)
+    for n in v3:
+        torch.testing.assert_close(v3[n], v2[n] - 0.352, rtol=1e-6, atol=1e-6)
+    assert "final" not in protocol.read_header(run.store, layout.global_key(p, 3)).extra
+
+
+def test_final_merge_outer_steps_final_deltas_like_any_other(tiny_run):
+    run = tiny_run(**{"syncer.outer_lr": 0.4, "syncer.outer_momentum": 0.9, "syncer.grace_gamma": 0.0,
+                      "syncer.update_codec": "fp32", "syncer.final_merge": "outer"})
+    syncer = run.syncer()
+    run.write_delta("a", 0, pg_const(run, 0, 0.5), header_overrides={"extra": {"final": True}})
+    poll(syncer)
+    syncer.merge_ready()
+    v0, v1 = run.fragment_params(0, 0), run.fragment_params(0, 1)
+    for n in v1:
+        torch.testing.assert_close(v1[n], v0[n] - 0.38, rtol=1e-6, atol=1e-6)
+    assert "final" not in protocol.read_header(run.store, layout.global_key(0, 1)).extra
+    assert syncer.status()["counters"]["final_merges"] == 0

@@ -5,8 +5,9 @@
 - :func:`train_lockstep`: synchronous DiLoCo as the papers define it: M replicas, each H AdamW
   steps on its own shard from the same global model, then the pseudo-gradients (global − local)
   are merged with the product's merge (token-weighted RDA, weighted mean for embeddings), one
-  outer step (the syncer's outer optimizer settings), every replica restarts from the new global
-  and keeps its AdamW state. Whole model, fp32, no bucket: the upper bound of what fragments,
+  outer step (the syncer's outer optimizer settings; at the end the replicas' models averaged under
+  ``syncer.final_merge = average``, as the syncer merges final deltas), every replica restarts from
+  the new global and keeps its AdamW state. Whole model, fp32, no bucket: the upper bound of what fragments,
   quantization and asynchrony can keep.
 
 - :func:`train_harness`: Decoupled DiLoCo itself, the real learner and syncer code on the in-process
@@ -27,8 +28,7 @@ import torch
 
 from ddiloco_geo.core import data as datamod
 from ddiloco_geo.core import model as modelmod
-from ddiloco_geo.core.merge import merge_fragment
-from ddiloco_geo.core.outer import OuterOptimizer
+from ddiloco_geo.core.outer import OuterOptimizer, merge_and_step
 from ddiloco_geo.learner.data import eval_batches_for, make_reader
 from ddiloco_geo.learner.schedule import lr_schedule
 from ddiloco_geo.tools.inprocess import Fault, InProcessRun, LearnerSpeed
@@ -114,7 +114,8 @@ def train_lockstep(settings, num_learners: int, *, eval_every_tokens: int = 0, l
     for r in replicas:
         modelmod.set_tensors(r, global_params)
     opts = [_optimizer(r, cfg, cfg.lr) for r in replicas]
-    outer = OuterOptimizer(lr=scfg.outer_lr, momentum=scfg.outer_momentum, nesterov=scfg.nesterov)
+    okw = {"lr": scfg.outer_lr, "momentum": scfg.outer_momentum, "nesterov": scfg.nesterov}
+    outer = OuterOptimizer(**okw)
     is_emb = modelmod.embedding_rule(settings.model)
     data = Data(settings, num_learners)
     tokens, curve, next_eval, counts = 0, [], eval_every_tokens, [0] * num_learners
@@ -128,7 +129,8 @@ def train_lockstep(settings, num_learners: int, *, eval_every_tokens: int = 0, l
         if (step + 1) % H == 0 or step + 1 == cfg.max_steps:
             pgs = [{n: global_params[n] - t for n, t in modelmod.get_tensors(r, names).items()} for r in replicas]
             weights = [c * c / (H if (step + 1) % H == 0 else (step + 1) % H) for c in counts]
-            global_params = outer.step(global_params, merge_fragment(pgs, weights, is_emb))
+            final = step + 1 == cfg.max_steps and scfg.final_merge == "average"  # as the syncer merges final deltas
+            global_params, outer = merge_and_step(global_params, outer, pgs, weights, is_emb, okw, final=final)
             for r in replicas:
                 modelmod.set_tensors(r, global_params)
             counts = [0] * num_learners
