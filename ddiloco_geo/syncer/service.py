@@ -5,8 +5,8 @@ Decoupled DiLoCo (arXiv 2604.21428, section "syncer"), over a bucket. For every 
 
 1. **intake** (:mod:`~ddiloco_geo.syncer.intake`): list, fetch, validate; reject with a record;
 2. **rounds** (:mod:`~ddiloco_geo.syncer.rounds`): quorum, adaptive grace, merge spacing; anchor,
-   token-weighted RDA, one outer Nesterov step (fp32, one state per fragment; a plain average for the
-   learners' final deltas);
+   token-weighted RDA, one outer Nesterov step (fp32, one state per fragment; the learners' models averaged
+   in a merge holding a final delta);
 3. **publish** (:func:`ddiloco_geo.protocol.publish.commit_version`): a create-only state object
    (momentum, residual, per-learner cursors), then the create-only global (the commit point) with
    the merge record, the int4 update object, the tape entry and the index.
