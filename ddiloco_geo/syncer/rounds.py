@@ -111,12 +111,13 @@ def anchoring_of(state: FragmentState, d: PendingDelta, anchoring: str) -> str:
     return anchoring
 
 
-def merged_bases(previous: dict[str, int], entries: list[dict[str, Any]]) -> dict[str, int]:
-    """Each learner's newest merged base version after a merge of ``entries``."""
-    out = dict(previous)
+def after_merge(state: FragmentState, entries: list[dict[str, Any]]) -> tuple[dict[str, int], frozenset[str]]:
+    """What a merge of ``entries`` leaves of the fragment's per-learner bookkeeping: each learner's
+    newest merged base version, and the learners whose final mark has been honored."""
+    merged_base = dict(state.merged_base)
     for e in entries:
-        out[e["learner"]] = max(e["base_version"], out.get(e["learner"], -1))
-    return out
+        merged_base[e["learner"]] = max(e["base_version"], merged_base.get(e["learner"], -1))
+    return merged_base, state.finalized | {e["learner"] for e in entries if e.get("final") is True}
 
 
 def is_increment(d: PendingDelta) -> bool:
@@ -136,11 +137,16 @@ def select_contributors(pending: list[PendingDelta]) -> tuple[list[PendingDelta]
     return list(newest.values()), superseded
 
 
-def is_final(contributors: list[PendingDelta]) -> bool:
-    """A contributor is a learner's final delta (sent by its exit flush at the end of its schedule).
-    Any, not all: a learner whose last regular send fell on its last step has nothing left to flush,
-    and its last delta joins the others' final ones unmarked."""
-    return any(d.header.extra.get("final") is True for d in contributors)
+def final_marks(state: FragmentState, contributors: list[PendingDelta]) -> set[str]:
+    """The learners among ``contributors`` whose final mark counts: a final delta is a learner's exit
+    flush at the end of its schedule, sent once per fragment, so a mark counts once per learner and
+    fragment (``state.finalized``, kept in the fragment's state object across syncer restarts). A
+    learner marking every delta final turns at most one merge per fragment into an average. One
+    marked contributor makes the merge final, not all of them: a learner whose last regular send fell
+    on its last step has nothing left to flush, and its last delta joins the others' final ones
+    unmarked."""
+    return {d.learner for d in contributors
+            if d.header.extra.get("final") is True and d.learner not in state.finalized}
 
 
 @dataclass
@@ -165,11 +171,12 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     :func:`clip_factor`; a clipped contributor's entry records the factor (``clip``). ``sparse``:
     ``dense`` or ``per_index`` (:func:`ddiloco_geo.core.merge.per_index_mean`, for top-k deltas).
     ``final_merge``: ``average`` averages the learners' models in a merge holding a final delta
-    (:func:`is_final`; ``final`` in :func:`~ddiloco_geo.core.outer.merge_and_step`): at the end of the
+    (:func:`final_marks`; the marked entries record ``final``; ``final`` in :func:`~ddiloco_geo.core.outer.merge_and_step`): at the end of the
     run the outer momentum would carry the global past where the learners are; ``outer`` steps every
     merge alike.
     """
     anchored, weights, entries = [], [], []
+    marks = final_marks(state, contributors) if final_merge == "average" else set()
     for d in contributors:
         factor = clip_factor(state, d, clip_ratio)
         pg = d.pseudo_grad if factor == 1.0 else {n: t * factor for n, t in d.pseudo_grad.items()}
@@ -180,13 +187,13 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
         entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
                         "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w,
                         "step": learner_step(d.header), **({"clip": factor} if factor < 1.0 else {}),
-                        **({"anchor": how} if how != anchoring else {})})
+                        **({"anchor": how} if how != anchoring else {}),
+                        **({"final": True} if d.learner in marks else {})})
     if not anchored or sum(weights) <= 0:
         return None
-    final = final_merge == "average" and is_final(contributors)
     params, outer = merge_and_step(state.params, state.outer, anchored, weights, is_embedding,
-                                   outer_kwargs, robust, trim_ratio, sparse, final)
+                                   outer_kwargs, robust, trim_ratio, sparse, bool(marks))
     clock = state.clock
     for d in contributors:
         clock = clock.merge(d.header.clock)
-    return Merge(params, outer, clock, entries, final)
+    return Merge(params, outer, clock, entries, bool(marks))

@@ -45,7 +45,7 @@ from ddiloco_geo.protocol.publish import RESIDUAL, commit_version, compress_upda
 from ddiloco_geo.protocol.verified import record_forged
 from ddiloco_geo.storage import Store
 from ddiloco_geo.syncer.intake import Intake
-from ddiloco_geo.syncer.rounds import RoundPolicy, build_merge, merged_bases, select_contributors
+from ddiloco_geo.syncer.rounds import RoundPolicy, after_merge, build_merge, select_contributors
 from ddiloco_geo.syncer.state import Ema, FragmentState, StepTimes, load_fragment
 
 log = logging.getLogger(__name__)
@@ -317,12 +317,12 @@ class Syncer:
                                                           self.update_codec, signer=self.signer,
                                                           **self.spec.codec_args(self.update_codec))
         tensors, outer_steps = outer_state_to_wire(outer)
-        merged_base = merged_bases(state.merged_base, record["merged"]) if is_merge else state.merged_base
+        merged_base, finalized = after_merge(state, record["merged"]) if is_merge else (state.merged_base, state.finalized)
         tensors.update({RESIDUAL + n: t for n, t in residual.items()})
         state_key = commit_version(
             self.store, run_id=self.spec.run_id, fragment=p, version=version, params=published,
             state_tensors=tensors, state_extra={"consumed": consumed, "outer_num_steps": outer_steps,
-                                                "merged_base": merged_base},
+                                                "merged_base": merged_base, "finalized": sorted(finalized)},
             record=record, clock=ticked, signer=self.signer,
             after_commit={layout.global_update_key(p, version): update} if update is not None else None,
             advance_index=False, verifier=self.verifier,
@@ -340,7 +340,7 @@ class Syncer:
         state.forged_skips = 0
         state.remember(version, published)
         state.version, state.params, state.outer, state.clock = version, published, outer, ticked
-        state.consumed, state.residual, state.merged_base = consumed, residual, merged_base
+        state.consumed, state.residual, state.merged_base, state.finalized = consumed, residual, merged_base, finalized
         state.pending = [d for d in state.pending if d.seq > consumed.get(d.learner, -1)]
         state.quorum_s = None
         if is_merge:

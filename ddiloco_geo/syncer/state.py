@@ -48,6 +48,7 @@ class FragmentState:
     clock: VectorClock = field(default_factory=VectorClock)
     consumed: dict[str, int] = field(default_factory=dict)  # learner -> highest seq accounted for
     merged_base: dict[str, int] = field(default_factory=dict)  # learner -> base version of its newest merged delta
+    finalized: frozenset[str] = frozenset()  # learners whose final mark a merge has honored (rounds.final_marks)
     pending: list[PendingDelta] = field(default_factory=list)
     history: OrderedDict = field(default_factory=OrderedDict)  # version -> params
     norms: dict = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=8)))  # learner -> per-step norms
@@ -123,6 +124,7 @@ def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: 
     outer = OuterOptimizer(**outer_kwargs)
     consumed: dict[str, int] = {}
     merged_base: dict[str, int] = {}
+    finalized: frozenset[str] = frozenset()
     residual: dict[str, torch.Tensor] = {}
     state_key = header.extra.get("state_key")
     if state_key:
@@ -134,7 +136,8 @@ def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: 
             {k: v for k, v in st_tensors.items() if not k.startswith(RESIDUAL)}, st_header))
         consumed = {str(k): int(v) for k, v in st_header.extra.get("consumed", {}).items()}
         merged_base = {str(k): int(v) for k, v in st_header.extra.get("merged_base", {}).items()}
+        finalized = frozenset(str(x) for x in st_header.extra.get("finalized", []))
     state = FragmentState(fragment, version, params, outer, clock=header.clock, consumed=consumed,
-                          merged_base=merged_base, residual=residual)
+                          merged_base=merged_base, finalized=finalized, residual=residual)
     state.remember(version, params)
     return state, state_key

@@ -621,6 +621,47 @@ def test_a_merge_holding_a_final_delta_averages_the_learners_models(tiny_run):
     assert "final" not in protocol.read_header(run.store, layout.global_key(p, 3)).extra
 
 
+def test_a_final_mark_counts_once_per_learner_and_fragment_across_a_syncer_restart(tiny_run):
+    # a final delta is a learner's exit flush, sent once per fragment: a learner that marks every
+    # delta final (a bug, or an attacker with a learner's key) turns at most one merge per fragment
+    # into an average; what the marks used is in the fragment's state object, so a restarted syncer
+    # knows it too
+    run = tiny_run(**{"syncer.outer_lr": 0.4, "syncer.outer_momentum": 0.9, "syncer.grace_gamma": 0.0,
+                      "syncer.update_codec": "fp32", "syncer.clip_ratio": None})
+    final = {"extra": {"final": True}}
+    first = run.syncer()
+    for p in (0, 1):
+        run.write_delta("a", p, pg_const(run, p, 0.5 - 0.1 * p), header_overrides=final)
+    poll(first)
+    first.merge_ready()
+    for p in (0, 1):  # averaged: the learner's model, lr 1
+        rec = protocol.read_header(run.store, layout.global_key(p, 1)).extra
+        assert rec["final"] is True and rec["merged"][0]["final"] is True
+        v0, v1 = run.fragment_params(p, 0), run.fragment_params(p, 1)
+        for n in v1:
+            torch.testing.assert_close(v1[n], v0[n] - (0.5 - 0.1 * p), rtol=1e-6, atol=1e-6)
+    run.write_delta("a", 0, pg_const(run, 0, 0.2), base_version=1, header_overrides=final)
+    poll(first)
+    first.merge_ready()
+    rec = protocol.read_header(run.store, layout.global_key(0, 2)).extra
+    assert "final" not in rec and "final" not in rec["merged"][0]
+    v1, v2 = run.fragment_params(0, 1), run.fragment_params(0, 2)
+    for n in v2:  # an ordinary Nesterov step from zero momentum: 0.4 * (0.2 + 0.9 * 0.2)
+        torch.testing.assert_close(v2[n], v1[n] - 0.152, rtol=1e-6, atol=1e-6)
+    del first
+
+    second = run.syncer()
+    assert second.fragments[1].finalized == {"a"}
+    run.write_delta("a", 1, pg_const(run, 1, 0.1), base_version=1, header_overrides=final)
+    run.write_delta("b", 1, pg_const(run, 1, 0.3), base_version=1, header_overrides=final)
+    poll(second)
+    second.merge_ready()
+    rec = protocol.read_header(run.store, layout.global_key(1, 2)).extra
+    assert rec["final"] is True  # b's mark counts; a's again does not
+    assert {e["learner"]: e.get("final") for e in rec["merged"]} == {"a": None, "b": True}
+    assert second.fragments[1].finalized == {"a", "b"} and second.status()["counters"]["final_merges"] == 1
+
+
 def test_final_merge_outer_steps_final_deltas_like_any_other(tiny_run):
     run = tiny_run(**{"syncer.outer_lr": 0.4, "syncer.outer_momentum": 0.9, "syncer.grace_gamma": 0.0,
                       "syncer.update_codec": "fp32", "syncer.final_merge": "outer"})
