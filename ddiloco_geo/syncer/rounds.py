@@ -171,9 +171,9 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     :func:`clip_factor`; a clipped contributor's entry records the factor (``clip``). ``sparse``:
     ``dense`` or ``per_index`` (:func:`ddiloco_geo.core.merge.per_index_mean`, for top-k deltas).
     ``final_merge``: ``average`` averages the learners' models in a merge holding a final delta
-    (:func:`final_marks`; the marked entries record ``final``; ``final`` in :func:`~ddiloco_geo.core.outer.merge_and_step`): at the end of the
-    run the outer momentum would carry the global past where the learners are; ``outer`` steps every
-    merge alike.
+    (:func:`final_marks`, whose entries record ``final``; ``final`` in
+    :func:`~ddiloco_geo.core.outer.merge_and_step`): at the end of the run the outer momentum would
+    carry the global past where the learners are; ``outer`` steps every merge alike.
     """
     anchored, weights, entries = [], [], []
     marks = final_marks(state, contributors) if final_merge == "average" else set()

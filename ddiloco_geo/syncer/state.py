@@ -136,7 +136,8 @@ def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: 
             {k: v for k, v in st_tensors.items() if not k.startswith(RESIDUAL)}, st_header))
         consumed = {str(k): int(v) for k, v in st_header.extra.get("consumed", {}).items()}
         merged_base = {str(k): int(v) for k, v in st_header.extra.get("merged_base", {}).items()}
-        finalized = frozenset(str(x) for x in st_header.extra.get("finalized", []))
+        marks = st_header.extra.get("finalized")
+        finalized = frozenset(x for x in marks if isinstance(x, str)) if isinstance(marks, list) else frozenset()
     state = FragmentState(fragment, version, params, outer, clock=header.clock, consumed=consumed,
                           merged_base=merged_base, finalized=finalized, residual=residual)
     state.remember(version, params)
