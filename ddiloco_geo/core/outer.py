@@ -69,7 +69,7 @@ class OuterOptimizer:
         for name in params:
             if params[name].shape != pseudo_grad[name].shape:
                 raise ValueError(f"{name}: params shape {tuple(params[name].shape)} != pseudo_grad shape {tuple(pseudo_grad[name].shape)}")
-        if self._bufs is None:
+        if not self._bufs:  # no momentum yet (a fresh optimizer, or only final merges so far)
             self._bufs = {name: torch.zeros(p.shape, dtype=torch.float32) for name, p in params.items()}
         self._check_names(params, "params")
         names = list(params)
@@ -119,7 +119,7 @@ class OuterOptimizer:
             raise ValueError(f"num_steps={num_steps} must be >= 0")
         if any(not torch.isfinite(b).all() for b in bufs.values()):
             raise ValueError("outer optimizer state has non-finite momentum")
-        if not bufs and num_steps == 0:  # a fresh optimizer's state: back to zero momentum
+        if not bufs:  # no momentum yet (a fresh optimizer, or only final merges so far): zero momentum
             for buf in (self._bufs or {}).values():
                 buf.zero_()
         else:

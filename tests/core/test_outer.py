@@ -132,3 +132,22 @@ def test_merge_and_step_leaves_the_optimizer_and_the_inputs_alone():
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(a[n], k[n]) for a, k in zip(anchored, kept) for n in SHAPES)
     assert (stepped.lr, stepped.momentum, stepped.num_steps) == (0.5, 0.8, 2)
+
+
+def test_a_final_merge_first_leaves_a_state_that_loads_and_steps_on():
+    # a fragment whose first merge is final (a learner's first send was its exit flush) has stepped
+    # once with no momentum yet; a syncer that loads that state (a restart, or the other syncer after
+    # a publish race) steps on from zero momentum: it raised "the optimizer state has []" before
+    from ddiloco_geo.core.outer import merge_and_step
+
+    kwargs = {"lr": 0.5, "momentum": 0.8, "nesterov": True}
+    params = _random(0)
+    new, stepped = merge_and_step(params, OuterOptimizer(**kwargs), [_random(1)], [1.0], lambda n: False,
+                                  kwargs, final=True)
+    loaded = OuterOptimizer(**kwargs)
+    loaded.load_state_dict(stepped.state_dict())
+    assert loaded.num_steps == 1
+    grad = _random(2)
+    fresh = OuterOptimizer(**kwargs).step(new, grad)
+    stepped_on = loaded.step(new, grad)
+    assert all(torch.equal(fresh[n], stepped_on[n]) for n in SHAPES) and loaded.num_steps == 2
