@@ -34,9 +34,11 @@ def test_same_seed_same_schedule_and_every_kind_of_fault_planned():
     assert any("learner.slow_step_s" in x.get("settings", {}) for x in a["actions"])
     assert any(r != "home" for r in a["placement"].values())
     assert any(k.startswith("learner") for k in a["faults"]) and "syncer" in a["faults"]
-    # the reference learner is never a victim, and every step trigger falls before 70 % of the run
+    # the reference learner is never a victim, and every step trigger falls before 70 % of the run (the
+    # second syncer's stop before 90 %), so restarted learners have work left and every signal fires
     assert all(x["target"] != a["reference"] for x in a["actions"])
-    assert all(x["when"]["step"] < 0.7 * a["steps"] for x in a["actions"] if "step" in x["when"])
+    assert all(x["when"]["step"] < (0.9 if x["target"] == "syncer-2" else 0.7) * a["steps"]
+               for x in a["actions"] if "step" in x["when"])
 
 
 def test_long_schedule_has_a_round_of_events_per_round():

@@ -42,8 +42,9 @@ def plan_schedule(seed: int, learners: int = 3, steps: int = 120, rounds: int = 
     Learner ``learner-0`` .. ``learner-{M-1}``; one of them (``reference``) is never killed, and the
     syncer events are triggered by its steps. Each round picks two other learners: one is SIGKILLed
     and restarted, the other SIGTERMed and restarted as a straggler. Every round also kills and
-    restarts the syncer and runs a second syncer for 10-20 s. Steps are spread over the first ~70 %
-    of the run so every restarted learner has work left to deliver.
+    restarts the syncer and runs a second syncer, SIGTERMed some of the reference's steps later. Steps
+    are spread over the first ~70 % of the run (the second syncer's stop over the first ~90 %) so
+    every restarted learner has work left to deliver.
     """
     if learners < 3:
         raise ConfigError(f"chaos needs at least 3 learners (got {learners}): one reference learner and two victims")
@@ -88,8 +89,12 @@ def plan_schedule(seed: int, learners: int = 3, steps: int = 120, rounds: int = 
             settings={"learner.slow_step_s": rng.choice([0.1, 0.15, 0.2])})
         s = add("sigkill", "syncer", {"learner": reference, "step": at(0.3, 0.5)})
         add("restart", "syncer", {"after": s, "delay_s": round(rng.uniform(1.0, 4.0), 1)})
-        s2 = add("start", "syncer-2", {"learner": reference, "step": at(0.75, 0.95)})
-        add("sigterm", "syncer-2", {"after": s2, "delay_s": round(rng.uniform(10.0, 20.0), 1)})
+        s2_step = at(0.6, 0.8)
+        add("start", "syncer-2", {"learner": reference, "step": s2_step})
+        # stopped at a later step of the reference (not some seconds after it serves: a slow machine
+        # ended the short run before that, CI stop 34); a signal due before it serves waits for that
+        stop_step = s2_step + max(4, int(rng.uniform(0.25, 0.45) * span))
+        add("sigterm", "syncer-2", {"learner": reference, "step": stop_step})
     return {
         "seed": seed, "learners": learners, "steps": steps, "rounds": rounds, "reference": reference,
         "regions": regions, "placement": placement, "faults": faults, "actions": actions,
