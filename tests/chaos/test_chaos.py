@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from ddiloco_geo.tools.chaos import (
 )
 from ddiloco_geo.tools.chaos.goals import unaccounted_deliveries
 from ddiloco_geo.tools.chaos.report import accounted_at
+from ddiloco_geo.tools.chaos.supervisor import Proc, Supervisor
 from tests.conftest import cli_args_for, deadline, wait_until
 
 # --- the schedule --------------------------------------------------------------------------------
@@ -270,6 +272,41 @@ def test_goals():
     assert goals({**report, "loss_ratio": 1.05})["loss_within_3pct"] is False
     assert "loss_within_3pct" not in goals({**report, "loss_ratio": None})
     assert goals({**report, "deltas_rejected": 2})["ledger_balanced"] is False
+
+
+class FakeChild:
+    """Just what the supervisor asks of a started process."""
+
+    def __init__(self, pid):
+        self.pid, self.running, self.signals, self.exit_time = pid, True, [], None
+
+    def is_running(self):
+        return self.running
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+
+@pytest.mark.unit
+def test_a_signal_due_before_its_syncer_serves_waits_for_it_even_after_the_trigger_learner_exits(tmp_path):
+    plan = {"learners": 3, "steps": 80, "faults": {}, "placement": {}, "actions": [
+        {"id": "a0", "action": "start", "target": "syncer-2", "when": {"learner": "learner-0", "step": 5}},
+        {"id": "a1", "action": "sigterm", "target": "syncer-2", "when": {"learner": "learner-0", "step": 8}}]}
+    sup = Supervisor(plan, store=None, out=tmp_path, env={}, proxy_urls={}, sample_s=0.0, timeout_s=60.0,
+                     deadline=time.monotonic() + 60.0, t0=time.time())
+    reference = Proc(name="learner-0.0", role="learner", target="learner-0", incarnation=0, child=FakeChild(1),
+                     obs=[(time.time(), 9, 0, 0.1)])
+    syncer2 = Proc(name="syncer-2.0", role="syncer", target="syncer-2", incarnation=0, child=FakeChild(2))
+    sup.procs += [reference, syncer2]
+    sup.action_state["a0"].update(status="done", time=time.time(), proc=syncer2)
+    sup._play()  # the reference is past step 8, but syncer-2 is still starting: not yet
+    assert sup.action_state["a1"]["status"] == "pending" and not syncer2.child.signals
+    reference.child.running = False  # the reference ends its schedule before syncer-2 serves
+    sup._play()
+    assert sup.action_state["a1"]["status"] == "pending", sup.action_state["a1"]
+    syncer2.ready_at = time.time()
+    sup._play()
+    assert sup.action_state["a1"]["status"] == "done" and syncer2.child.signals == [signal.SIGTERM]
 
 
 # --- a short seeded chaos run on real processes --------------------------------------------------

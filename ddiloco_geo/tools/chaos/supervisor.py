@@ -256,6 +256,8 @@ class Supervisor:
 
     def _can_still_fire(self, action: dict[str, Any]) -> bool:
         when = action["when"]
+        if self.action_state[action["id"]].get("triggered"):  # due, waiting for its target (a syncer serving)
+            return True
         if "learner" in when:
             lid = when["learner"]
             return self._alive(lid) is not None or any(
@@ -268,7 +270,9 @@ class Supervisor:
         when = action["when"]
         if "learner" in when:
             step = self._step_of(when["learner"])
-            return step is not None and step >= when["step"]
+            if step is not None and step >= when["step"]:
+                self.action_state[action["id"]]["triggered"] = True
+            return bool(self.action_state[action["id"]].get("triggered"))
         dep = self.action_state[when["after"]]
         if dep["status"] != "done":
             return False
@@ -320,6 +324,14 @@ class Supervisor:
             blocked.add(a["target"])
         return out
 
+    def _play(self) -> None:
+        """Fire the pending actions that are due; skip those whose trigger can no longer happen."""
+        for action in self._pending():
+            if not self._can_still_fire(action):
+                self._skip(action, "trigger can no longer happen")
+            elif self._due(action):
+                self._fire(action)
+
     def _learners_done(self) -> bool:
         if any(p.role == "learner" and p.alive() for p in self.procs):
             return False
@@ -332,11 +344,7 @@ class Supervisor:
         last_progress = 0.0
         while True:
             self._sample()
-            for action in self._pending():
-                if not self._can_still_fire(action):
-                    self._skip(action, "trigger can no longer happen")
-                elif self._due(action):
-                    self._fire(action)
+            self._play()
             if self._learners_done():
                 break
             if time.monotonic() > self.deadline:
@@ -353,8 +361,10 @@ class Supervisor:
         syncer (each drains: merges everything pending) and wait for them."""
         while not self.timed_out:
             pending = [a for a in self._pending() if a["target"].startswith("syncer")]
-            restarts = [a for a in pending if a["action"] in ("restart", "start") and "after" in a["when"]
-                        and self.action_state[a["when"]["after"]]["status"] == "done"]
+            # restarts of what was stopped, and signals already due whose syncer is still starting
+            restarts = [a for a in pending if self.action_state[a["id"]].get("triggered") or (
+                a["action"] in ("restart", "start") and "after" in a["when"]
+                and self.action_state[a["when"]["after"]]["status"] == "done")]
             for a in pending:
                 if a not in restarts:
                     self._skip(a, "learners finished first")
