@@ -34,6 +34,8 @@ def test_same_seed_same_schedule_and_every_kind_of_fault_planned():
     assert {("sigkill", "learner"), ("sigterm", "learner"), ("restart", "learner"), ("sigkill", "syncer"),
             ("restart", "syncer"), ("start", "syncer-2"), ("sigterm", "syncer-2")} <= kinds
     assert any("learner.slow_step_s" in x.get("settings", {}) for x in a["actions"])
+    assert all(x["when"]["serving_s"] >= 5 for x in a["actions"]
+               if x["action"] == "sigterm" and x["target"] == "syncer-2")
     assert any(r != "home" for r in a["placement"].values())
     assert any(k.startswith("learner") for k in a["faults"]) and "syncer" in a["faults"]
     # the reference learner is never a victim, and every step trigger falls before 70 % of the run (the
@@ -291,7 +293,8 @@ class FakeChild:
 def test_a_signal_due_before_its_syncer_serves_waits_for_it_even_after_the_trigger_learner_exits(tmp_path):
     plan = {"learners": 3, "steps": 80, "faults": {}, "placement": {}, "actions": [
         {"id": "a0", "action": "start", "target": "syncer-2", "when": {"learner": "learner-0", "step": 5}},
-        {"id": "a1", "action": "sigterm", "target": "syncer-2", "when": {"learner": "learner-0", "step": 8}}]}
+        {"id": "a1", "action": "sigterm", "target": "syncer-2",
+         "when": {"learner": "learner-0", "step": 8, "serving_s": 30.0}}]}
     sup = Supervisor(plan, store=None, out=tmp_path, env={}, proxy_urls={}, sample_s=0.0, timeout_s=60.0,
                      deadline=time.monotonic() + 60.0, t0=time.time())
     reference = Proc(name="learner-0.0", role="learner", target="learner-0", incarnation=0, child=FakeChild(1),
@@ -305,8 +308,27 @@ def test_a_signal_due_before_its_syncer_serves_waits_for_it_even_after_the_trigg
     sup._play()
     assert sup.action_state["a1"]["status"] == "pending", sup.action_state["a1"]
     syncer2.ready_at = time.time()
+    sup._play()  # serving, but not yet for serving_s
+    assert sup.action_state["a1"]["status"] == "pending" and not syncer2.child.signals
+    syncer2.ready_at -= 31.0
     sup._play()
     assert sup.action_state["a1"]["status"] == "done" and syncer2.child.signals == [signal.SIGTERM]
+
+
+@pytest.mark.unit
+def test_once_the_learners_finish_a_syncer_signal_does_not_wait_out_its_serving_time(tmp_path):
+    action = {"id": "a0", "action": "sigterm", "target": "syncer-2",
+              "when": {"learner": "learner-0", "step": 8, "serving_s": 30.0}}
+    sup = Supervisor({"learners": 3, "steps": 80, "faults": {}, "placement": {}, "actions": [action]}, store=None,
+                     out=tmp_path, env={}, proxy_urls={}, sample_s=0.0, timeout_s=60.0,
+                     deadline=time.monotonic() + 60.0, t0=time.time())
+    syncer2 = Proc(name="syncer-2.0", role="syncer", target="syncer-2", incarnation=0, child=FakeChild(2),
+                   ready_at=time.time())
+    sup.procs.append(syncer2)
+    sup._fire(action)
+    assert sup.action_state["a0"]["status"] == "pending"
+    sup._fire(action, ending=True)
+    assert sup.action_state["a0"]["status"] == "done" and syncer2.child.signals == [signal.SIGTERM]
 
 
 # --- a short seeded chaos run on real processes --------------------------------------------------

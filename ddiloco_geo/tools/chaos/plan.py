@@ -7,7 +7,8 @@ otherwise. :func:`plan_schedule` draws everything random about a run from ``rand
 the WAN regions and which learner sits where, which processes get storage faults, and the ordered
 actions (kills, terminations, restarts, a second syncer) with their triggers:
 
-- ``{"learner": id, "step": s}``: the target's current incarnation has reached step ``s``;
+- ``{"learner": id, "step": s}``: the target's current incarnation has reached step ``s`` (a signal
+  to a syncer also waits until it serves, and ``serving_s`` more while learners still train);
 - ``{"after": action_id, "delay_s": d}``: ``d`` seconds after an earlier action (or after the exit
   of the process it signalled).
 
@@ -91,10 +92,12 @@ def plan_schedule(seed: int, learners: int = 3, steps: int = 120, rounds: int = 
         add("restart", "syncer", {"after": s, "delay_s": round(rng.uniform(1.0, 4.0), 1)})
         s2_step = at(0.6, 0.8)
         add("start", "syncer-2", {"learner": reference, "step": s2_step})
-        # stopped at a later step of the reference (not some seconds after it serves: a slow machine
-        # ended the short run before that, CI stop 34); a signal due before it serves waits for that
+        # stopped at a later step of the reference, once it has served serving_s (not only some
+        # seconds after it serves: a slow machine ended the short run before that, CI stop 34); a
+        # signal still waiting when the learners finish fires as soon as the syncer serves
         stop_step = s2_step + max(4, int(rng.uniform(0.25, 0.45) * span))
-        add("sigterm", "syncer-2", {"learner": reference, "step": stop_step})
+        add("sigterm", "syncer-2", {"learner": reference, "step": stop_step,
+                                    "serving_s": round(rng.uniform(5.0, 10.0), 1)})
     return {
         "seed": seed, "learners": learners, "steps": steps, "rounds": rounds, "reference": reference,
         "regions": regions, "placement": placement, "faults": faults, "actions": actions,

@@ -289,7 +289,9 @@ class Supervisor:
             since = max(since, ready)
         return time.time() >= since + when["delay_s"]
 
-    def _fire(self, action: dict[str, Any]) -> None:
+    def _fire(self, action: dict[str, Any], ending: bool = False) -> None:
+        """Carry out a due action. A signal to a syncer waits until it serves, and for ``serving_s``
+        more (its ``when``) unless the learners have finished (``ending``)."""
         st = self.action_state[action["id"]]
         target, kind = action["target"], action["action"]
         role = "syncer" if target.startswith("syncer") else "learner"
@@ -301,6 +303,9 @@ class Supervisor:
                 return
             if kind == "sigterm" and role == "syncer" and proc.ready_at is None:
                 return  # let it finish starting (its SIGTERM handler is installed after bootstrap)
+            serving_s = action["when"].get("serving_s", 0.0)
+            if role == "syncer" and not ending and time.time() < (proc.ready_at or 0.0) + serving_s:
+                return  # let it serve beside the other syncer a while
             self._signal(proc, signal.SIGKILL if kind == "sigkill" else signal.SIGTERM, action["id"])
             st.update(status="done", time=time.time(), proc=proc)
         elif kind in ("restart", "start"):
@@ -372,7 +377,7 @@ class Supervisor:
                 break
             for a in restarts:
                 if self._due(a):
-                    self._fire(a)
+                    self._fire(a, ending=True)
             self._sample()
             time.sleep(self.sample_s)
             if time.monotonic() > self.deadline:
