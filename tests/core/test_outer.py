@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddiloco_geo.core.outer import OuterOptimizer
+from ddiloco_geo.core.outer import OuterOptimizer, merge_and_step
 
 pytestmark = pytest.mark.unit  # no servers, no subprocesses
 
@@ -118,8 +118,6 @@ def test_consuming_step_and_copy_match_the_plain_step(nesterov):
 
 
 def test_merge_and_step_leaves_the_optimizer_and_the_inputs_alone():
-    from ddiloco_geo.core.outer import merge_and_step
-
     outer = OuterOptimizer()
     params = _random(0)
     outer.step(params, _random(1))
@@ -138,8 +136,6 @@ def test_a_final_merge_first_leaves_a_state_that_loads_and_steps_on():
     # a fragment whose first merge is final (a learner's first send was its exit flush) has stepped
     # once with no momentum yet; a syncer that loads that state (a restart, or the other syncer after
     # a publish race) steps on from zero momentum: it raised "the optimizer state has []" before
-    from ddiloco_geo.core.outer import merge_and_step
-
     kwargs = {"lr": 0.5, "momentum": 0.8, "nesterov": True}
     params = _random(0)
     new, stepped = merge_and_step(params, OuterOptimizer(**kwargs), [_random(1)], [1.0], lambda n: False,

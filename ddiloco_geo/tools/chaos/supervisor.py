@@ -362,20 +362,20 @@ class Supervisor:
             time.sleep(self.sample_s)
 
     def _finish_syncers(self) -> None:
-        """Let pending syncer restarts happen, make sure one syncer serves, then SIGTERM every
-        syncer (each drains: merges everything pending) and wait for them."""
+        """Let pending syncer restarts and signals already due happen, make sure one syncer serves,
+        then SIGTERM every syncer (each drains: merges everything pending) and wait for them."""
         while not self.timed_out:
             pending = [a for a in self._pending() if a["target"].startswith("syncer")]
             # restarts of what was stopped, and signals already due whose syncer is still starting
-            restarts = [a for a in pending if self.action_state[a["id"]].get("triggered") or (
+            waiting = [a for a in pending if self.action_state[a["id"]].get("triggered") or (
                 a["action"] in ("restart", "start") and "after" in a["when"]
                 and self.action_state[a["when"]["after"]]["status"] == "done")]
             for a in pending:
-                if a not in restarts:
+                if a not in waiting:
                     self._skip(a, "learners finished first")
-            if not restarts:
+            if not waiting:
                 break
-            for a in restarts:
+            for a in waiting:
                 if self._due(a):
                     self._fire(a, ending=True)
             self._sample()
