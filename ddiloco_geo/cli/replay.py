@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = settings.syncer
-    outer_kwargs = {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.nesterov}
+    outer_kwargs = {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.nesterov,
+                    "warmup": cfg.outer_warmup}
     verifier, required = tool_keys(settings.security)
     store = open_store(settings.storage)
     try:

@@ -162,11 +162,11 @@ class SyncerConfig(Section):
     quorum: int = Field(1, ge=1, description="minimum learners K before a fragment is merged")
     grace_gamma: float = Field(0.5, ge=0, lt=1, description="share of the slack spent waiting for stragglers (0 disables)")
     ema_decay: float = Field(0.8, gt=0, lt=1, description="EMA weight on the old value for timings (step times: one EMA per learner, their median)")
-    outer_lr: float = Field(0.4, gt=0, description="outer learning rate (1.0 with momentum 0 is plain averaging); 0.4 with Nesterov 0.9 "
-                            "measured best at a compute-optimal budget (docs/benchmarks.md). 1.0 with momentum 0 by default in a "
-                            "run.codec=topk run: top-k with error feedback under Nesterov 0.4/0.9 measured far worse (2.27 against 1.75)")
+    outer_lr: float = Field(0.4, gt=0, description="outer learning rate (1.0 with momentum 0 is plain averaging); 0.4 with Nesterov 0.9 measured "
+                            "best at a compute-optimal budget; 1.0 with momentum 0 by default in a run.codec=topk run (docs/benchmarks.md)")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum; 0 by default in a run.codec=topk run (see outer_lr)")
     nesterov: bool = True
+    outer_warmup: int = Field(32, ge=0, description="outer steps of a fragment that move it linearly from plain averaging to outer_lr / outer_momentum")
     merge_spacing: float = Field(1.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
     robust: Literal["none", "trimmed_mean", "median"] = Field("none", description="for untrusted learners: a coordinate-wise robust average instead of token-weighted RDA")
     trim_ratio: float = Field(0.25, ge=0, lt=0.5, description="share of values dropped at each end per coordinate by robust='trimmed_mean'")

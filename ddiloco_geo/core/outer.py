@@ -9,7 +9,15 @@ across learners by :mod:`ddiloco_geo.core.merge`)::
     global <- global - lr * buf                                # nesterov=False
 
 This is exactly ``torch.optim.SGD(lr, momentum, nesterov, dampening=0)`` fed ``pseudo_grad`` as the
-gradient (pinned by a test). The sign matters: ``pseudo_grad`` points from the learners to the
+gradient (pinned by a test), once past the warm-up.
+
+``warmup`` (``syncer.outer_warmup``, in outer steps of the fragment): the step with ``num_steps = k``
+uses ``r = min(1, k / warmup)`` of the way from plain averaging to the configured optimizer,
+``lr_k = 1 + (lr - 1) r`` and ``momentum_k = momentum r``: the first merge takes the learners' mean,
+and the momentum builds up only as the run leaves its first phase, where the pseudo-gradients turn
+fast and momentum carries stale directions (plain averaging wins short runs, Nesterov the full
+budget: docs/benchmarks.md). ``num_steps`` is in the state, so a restarted syncer and ``replay``
+continue the same ramp. The sign matters: ``pseudo_grad`` points from the learners to the
 global, so the descent step moves the global toward the learners. Defaults are DiLoCo's
 (lr 0.7, momentum 0.9); the Decoupled DiLoCo paper publishes none.
 
@@ -40,16 +48,26 @@ class OuterOptimizer:
         momentum: float = 0.9,
         nesterov: bool = True,
         shapes: dict[str, tuple[int, ...]] | None = None,
+        warmup: int = 0,
     ) -> None:
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"outer lr={lr} must be a positive number")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"outer momentum={momentum} must be in [0, 1)")
-        self.lr, self.momentum, self.nesterov = float(lr), float(momentum), bool(nesterov)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"outer warmup={warmup!r} must be an int >= 0")
+        self.lr, self.momentum, self.nesterov, self.warmup = float(lr), float(momentum), bool(nesterov), warmup
         self.num_steps = 0
         self._bufs: dict[str, torch.Tensor] | None = None
         if shapes is not None:
             self._bufs = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in shapes.items()}
+
+    def effective(self) -> tuple[float, float]:
+        """(lr, momentum) of the next step: the configured ones past the warm-up."""
+        if not self.warmup or self.num_steps >= self.warmup:
+            return self.lr, self.momentum
+        r = self.num_steps / self.warmup
+        return 1.0 + (self.lr - 1.0) * r, self.momentum * r
 
     def _check_names(self, tensors: dict[str, torch.Tensor], what: str) -> None:
         assert self._bufs is not None
@@ -75,27 +93,28 @@ class OuterOptimizer:
         names = list(params)
         deltas = [pseudo_grad[n].detach().to("cpu", torch.float32) for n in names]
         bufs = [self._bufs[n] for n in names]
+        lr, momentum = self.effective()
         # the ops and their order are torch.optim.SGD's (foreach=True), so the bits are its bits
-        torch._foreach_mul_(bufs, self.momentum)
+        torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, deltas)
         if self.nesterov:
             if consume:
-                torch._foreach_add_(deltas, bufs, alpha=self.momentum)
+                torch._foreach_add_(deltas, bufs, alpha=momentum)
                 update = deltas
             else:
-                update = torch._foreach_add(deltas, bufs, alpha=self.momentum)
+                update = torch._foreach_add(deltas, bufs, alpha=momentum)
         else:
             update = bufs
         stepped = torch._foreach_add([params[n].detach().to("cpu", torch.float32) for n in names], update,
-                                     alpha=-self.lr)
+                                     alpha=-lr)
         self.num_steps += 1
         return dict(zip(names, stepped))
 
     def copy(self, **hyperparameters: Any) -> OuterOptimizer:
         """An independent optimizer in the same state (one copy of the momentum buffers), with
-        ``hyperparameters`` (lr, momentum, nesterov) replacing this one's where given."""
+        ``hyperparameters`` (lr, momentum, nesterov, warmup) replacing this one's where given."""
         twin = OuterOptimizer(**{"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
-                                 **hyperparameters})
+                                 "warmup": self.warmup, **hyperparameters})
         if self._bufs is not None:
             twin._bufs = dict(zip(self._bufs, [b.clone() for b in self._bufs.values()]))
         twin.num_steps = self.num_steps

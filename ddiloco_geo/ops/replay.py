@@ -263,7 +263,8 @@ class Replayer:
             raise Divergence(p, v, "record", f"merge record has robust={robust!r}, sparse_average={sparse!r}: "
                              f"not a merge this build knows (robust: {merge.ROBUST_MODES}, "
                              f"sparse_average: {merge.SPARSE_MODES}); replay it with the release that wrote it")
-        okw = {**self.outer_kwargs, **(rec.get("outer") or {})}
+        # a record names the optimizer it stepped with; one written before syncer.outer_warmup had none
+        okw = {**self.outer_kwargs, **({"warmup": 0, **rec["outer"]} if isinstance(rec.get("outer"), dict) else {})}
         outer = OuterOptimizer(**okw)
         outer.load_state_dict(outer_state_from_wire(state.momentum, state.header))
         new_params, stepped = merge_and_step(params, outer, anchored, weights, self.is_embedding, okw,

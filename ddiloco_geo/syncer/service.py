@@ -72,7 +72,7 @@ class Syncer:
         ema_decay: float,
         outer_lr: float,
         outer_momentum: float,
-        nesterov: bool,
+        nesterov: bool, outer_warmup: int,
         max_staleness: int,
         merge_spacing: float,
         max_norm_ratio: float,
@@ -97,11 +97,10 @@ class Syncer:
         now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store, self.spec, self.plan = store, spec, spec.plan
-        self.outer_kwargs = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov}
+        self.outer_kwargs = {"lr": outer_lr, "momentum": outer_momentum, "nesterov": nesterov, "warmup": outer_warmup}
         self.poll_s, self.idle_exit_s, self.drain_timeout_s = poll_s, idle_exit_s, drain_timeout_s
         self.shard_index, self.num_shards = (int(x) for x in shard.split("/"))
-        self.is_embedding = is_embedding
-        self.update_codec = update_codec
+        self.is_embedding, self.update_codec = is_embedding, update_codec
         self.robust, self.trim_ratio, self.anchoring, self.clip_ratio, self.final_merge = robust, trim_ratio, anchoring, clip_ratio, final_merge
         self.sparse_average = ("per_index" if spec.codec == "topk" else "dense") if sparse_average == "auto" else sparse_average
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
@@ -252,8 +251,9 @@ class Syncer:
             "kind": "merge", "merged": entries, "superseded": [d.key for d in superseded],
             "contributors": len({e["learner"] for e in entries}), "grace_s": grace,
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
-            "outer": self.outer_kwargs, **({"final": True} if merged.final else {}), "update_codec": self.update_codec,
-            "robust": self.robust, "trim_ratio": self.trim_ratio, "anchoring": self.anchoring,
+            "outer": self.outer_kwargs, **({"final": True} if merged.final else {"outer_step": dict(zip(  # in the warm-up
+                ("lr", "momentum"), state.outer.effective()))} if state.outer.num_steps < state.outer.warmup else {}),
+            "update_codec": self.update_codec, "robust": self.robust, "trim_ratio": self.trim_ratio, "anchoring": self.anchoring,
             "sparse_average": self.sparse_average, "clipped": sum(1 for e in entries if "clip" in e),
         }
         won = self._publish(state, merged.params, merged.outer, record, consumed, merged.clock)

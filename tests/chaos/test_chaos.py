@@ -490,3 +490,17 @@ def test_a_learner_that_ended_its_schedule_by_the_runs_position_is_not_downtime(
     assert compute_downtime(heartbeat_series([finishing]))[0] == 0
     finishing.done_at = None  # before: the end was its own step at max_steps (30), never reached here
     assert compute_downtime(heartbeat_series([finishing]))[0] == pytest.approx(2.0)
+
+
+@pytest.mark.unit
+def test_the_loss_comparison_says_how_far_apart_the_runs_are_in_steps_taken_and_delivered():
+    from ddiloco_geo.tools.chaos.baseline import loss_comparison
+    report = {"steps_taken": 441, "goodput": 0.8, "goodput_baseline": 0.98}
+    c = loss_comparison(report, 387)
+    assert c["steps_ratio"] == round(441 / 387, 4)
+    assert (c["delivered_steps"], c["baseline_delivered_steps"]) == (352.8, round(387 * 0.98, 1))
+    assert c["delivered_ratio"] == round(441 * 0.8 / (387 * 0.98), 4)  # lost work: fewer tokens merged
+    assert "goodput x steps" in c["how"]
+    # without a goodput (nothing merged, or an unreadable baseline) there is no ratio, and no crash
+    c = loss_comparison({"steps_taken": 441, "goodput": None, "goodput_baseline": None}, 387)
+    assert c["delivered_ratio"] is None and c["steps_ratio"] == round(441 / 387, 4)

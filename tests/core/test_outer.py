@@ -50,18 +50,20 @@ def test_positive_pseudo_grad_moves_global_toward_learner():
     torch.testing.assert_close(new["w"], torch.full((4,), 0.5))
 
 
-def test_state_round_trip_resumes_identically():
+@pytest.mark.parametrize("warmup", [0, 5])
+def test_state_round_trip_resumes_identically(warmup):
+    # mid-warm-up too: the step count in the state carries the ramp across a restart
     pgs = [_random(20 + i, scale=0.1) for i in range(6)]
-    straight = OuterOptimizer()
+    straight = OuterOptimizer(warmup=warmup)
     params = _random(0)
     for pg in pgs:
         params = straight.step(params, pg)
 
-    first = OuterOptimizer()
+    first = OuterOptimizer(warmup=warmup)
     resumed_params = _random(0)
     for pg in pgs[:3]:
         resumed_params = first.step(resumed_params, pg)
-    second = OuterOptimizer(shapes=SHAPES)
+    second = OuterOptimizer(shapes=SHAPES, warmup=warmup)
     second.load_state_dict(first.state_dict())
     assert second.num_steps == 3
     for pg in pgs[3:]:
@@ -95,7 +97,8 @@ def test_step_rejects_mismatched_fragments():
         opt.step(_random(0), {**_random(1), "b": torch.zeros(3)})
 
 
-@pytest.mark.parametrize("kwargs", [{"lr": 0}, {"lr": float("nan")}, {"momentum": 1.0}, {"momentum": -0.1}])
+@pytest.mark.parametrize("kwargs", [{"lr": 0}, {"lr": float("nan")}, {"momentum": 1.0}, {"momentum": -0.1},
+                                    {"warmup": -1}, {"warmup": 2.5}, {"warmup": True}, {"warmup": "8"}])
 def test_bad_hyperparameters_rejected(kwargs):
     with pytest.raises(ValueError):
         OuterOptimizer(**kwargs)
@@ -147,3 +150,24 @@ def test_a_final_merge_first_leaves_a_state_that_loads_and_steps_on():
     fresh = OuterOptimizer(**kwargs).step(new, grad)
     stepped_on = loaded.step(new, grad)
     assert all(torch.equal(fresh[n], stepped_on[n]) for n in SHAPES) and loaded.num_steps == 2
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_warmup_moves_from_plain_averaging_to_the_configured_optimizer(nesterov):
+    lr, mu, warmup = 0.4, 0.9, 4
+    outer = OuterOptimizer(lr=lr, momentum=mu, nesterov=nesterov, warmup=warmup)
+    expected = [(1.0, 0.0), (0.85, 0.225), (0.7, 0.45), (0.55, 0.675), (lr, mu), (lr, mu), (lr, mu)]
+    params = _random(0)
+    ref = {n: t.clone() for n, t in params.items()}
+    bufs = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    for k, (lr_k, mu_k) in enumerate(expected):
+        assert outer.effective() == pytest.approx((lr_k, mu_k)), k
+        pg = _random(30 + k, scale=0.1)
+        params = outer.step(params, pg)
+        for n in SHAPES:  # SGD's rule with this step's lr and momentum
+            bufs[n] = mu_k * bufs[n] + pg[n]
+            ref[n] = ref[n] - lr_k * ((pg[n] + mu_k * bufs[n]) if nesterov else bufs[n])
+            torch.testing.assert_close(params[n], ref[n], rtol=1e-6, atol=1e-6)
+        if k == 0:  # the first step is the learners' mean, exactly: the global moves by the whole delta
+            assert all(torch.equal(params[n], _random(0)[n] - pg[n]) for n in SHAPES)
+    assert outer.copy().effective() == (lr, mu) and outer.copy(warmup=10).effective() == pytest.approx((0.4 + 0.6 * 0.3, 0.9 * 0.7))

@@ -277,3 +277,39 @@ def test_a_merge_record_naming_an_unknown_merge_is_a_divergence_not_a_crash(hist
     d = result["first_divergence"]
     assert not result["ok"] and (d["fragment"], d["version"], d["what"]) == (0, 1, "record")
     assert field in d["detail"] and "release that wrote it" in d["detail"]
+
+
+def test_an_outer_warm_up_is_recorded_per_merge_and_replayed(history):
+    # syncer.outer_warmup: each merge inside the ramp records the lr and momentum it stepped with;
+    # the record names the warm-up, so replay reproduces the run whatever its own settings say
+    run, syncer = history(rounds=5, **{"syncer.outer_warmup": 3})
+    steps = []
+    for v in range(1, syncer.fragments[0].version + 1):
+        rec = protocol.read_header(run.store, layout.global_key(0, v)).extra
+        assert rec["outer"]["warmup"] == 3
+        steps.append(rec.get("outer_step"))
+    assert steps[0] == {"lr": 1.0, "momentum": 0.0}  # the first merge is the learners' mean
+    assert steps[2] == pytest.approx({"lr": 1.0 - 0.3 * 2 / 3, "momentum": 0.9 * 2 / 3})
+    assert steps[3:] == [None] * (len(steps) - 3)  # past the ramp: the configured optimizer, not repeated
+    result = replay(run.store, run.spec, outer_kwargs=OUTER)
+    assert result["ok"] and result["bitwise"], result["first_divergence"]
+    # a different warm-up in the records is another run: replay finds the first version it changes
+    g_header, g_tensors = protocol.read_global(run.store, run.spec, 0, 2)
+    g_header.extra = {**g_header.extra, "outer": {**g_header.extra["outer"], "warmup": 2}}
+    lying = fresh_store()
+    copy_store(run.store, lying, replace={layout.global_key(0, 2): codec.encode(g_tensors, g_header, codec="fp32")})
+    d = replay(lying, run.spec, outer_kwargs=OUTER)["first_divergence"]
+    assert (d["fragment"], d["version"], d["what"]) == (0, 2, "params")
+
+
+def test_a_record_from_before_the_outer_warm_up_replays_without_one(history):
+    run, _ = history(rounds=3)
+    old = fresh_store()
+    replace = {}
+    for v in (1, 2, 3):
+        g_header, g_tensors = protocol.read_global(run.store, run.spec, 0, v)
+        g_header.extra = {**g_header.extra, "outer": {k: x for k, x in g_header.extra["outer"].items() if k != "warmup"}}
+        replace[layout.global_key(0, v)] = codec.encode(g_tensors, g_header, codec="fp32")
+    copy_store(run.store, old, replace=replace)
+    result = replay(old, run.spec, outer_kwargs={**OUTER, "warmup": 3})
+    assert result["ok"] and result["bitwise"], result["first_divergence"]

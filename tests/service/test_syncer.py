@@ -604,7 +604,7 @@ def test_a_merge_holding_a_final_delta_averages_the_learners_models(tiny_run):
     for n in v2:
         torch.testing.assert_close(v2[n], v1[n] + 0.25, rtol=1e-6, atol=1e-6)
     rec = protocol.read_header(run.store, layout.global_key(p, 2)).extra
-    assert rec["final"] is True and rec["outer"] == {"lr": 0.4, "momentum": 0.9, "nesterov": True}
+    assert rec["final"] is True and rec["outer"] == {"lr": 0.4, "momentum": 0.9, "nesterov": True, "warmup": 0}
     assert syncer.status()["counters"]["final_merges"] == 1
     after = syncer.fragments[p].outer.state_dict()
     assert all(torch.equal(after[k], momentum[k]) for k in momentum if k.startswith("momentum."))

@@ -114,7 +114,7 @@ def train_lockstep(settings, num_learners: int, *, eval_every_tokens: int = 0, l
     for r in replicas:
         modelmod.set_tensors(r, global_params)
     opts = [_optimizer(r, cfg, cfg.lr) for r in replicas]
-    okw = {"lr": scfg.outer_lr, "momentum": scfg.outer_momentum, "nesterov": scfg.nesterov}
+    okw = {"lr": scfg.outer_lr, "momentum": scfg.outer_momentum, "nesterov": scfg.nesterov, "warmup": scfg.outer_warmup}
     outer = OuterOptimizer(**okw)
     is_emb = modelmod.embedding_rule(settings.model)
     data = Data(settings, num_learners)

@@ -8,7 +8,7 @@ deadline still holds: past it, the baseline's processes are SIGKILLed and the re
 ``baseline_error``. A failed baseline is reported, never raised: the chaos report stands on its own.
 
 Adds to the report: ``baseline_store``, ``baseline_eval_loss``, ``loss_ratio`` (chaos final loss /
-baseline final loss), ``loss_comparison`` (how the two are compared, and both runs' learner steps), ``baseline_deltas_unaccounted`` and ``goodput_baseline`` (the same goodput
+baseline final loss), ``loss_comparison`` (how the two are compared; both runs' learner steps taken and delivered), ``baseline_deltas_unaccounted`` and ``goodput_baseline`` (the same goodput
 computation over the baseline's one incarnation per learner).
 """
 
@@ -68,14 +68,30 @@ def run_baseline(settings: Settings, report: dict[str, Any], *, url: str, out: P
     report["baseline_eval_loss"] = s["final_eval_loss"]
     report["loss_ratio"] = round(report["final_eval_loss"] / s["final_eval_loss"], 4)
     baseline_steps = sum(int(l.get("steps") or 0) for l in s["learners"].values())
-    report["loss_comparison"] = {
-        "how": "final eval loss of the global model (same held-out batches) over the fault-free run's, both "
-               "after every learner ended its schedule; near equal steps under learner.schedule=run (both stop "
-               "at the run's budget, steps_ratio below), not under own (a restarted learner repeats steps)",
-        "learner_steps": report.get("steps_taken"), "baseline_learner_steps": baseline_steps,
-        "steps_ratio": round(report["steps_taken"] / baseline_steps, 4) if report.get("steps_taken") and baseline_steps else None}
     report["baseline_deltas_unaccounted"] = s["deltas_unaccounted"]
     report["goodput_baseline"] = baseline_goodput(settings, s["learners"])
+    report["loss_comparison"] = loss_comparison(report, baseline_steps)
+
+
+def loss_comparison(report: dict[str, Any], baseline_steps: int) -> dict[str, Any]:
+    """How ``loss_ratio`` compares the two runs: at the end of each, and how far apart in learner steps
+    taken and in learner steps delivered (merged: goodput x steps), the measure of tokens merged."""
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 4) if a and b else None
+
+    steps = report.get("steps_taken")
+    delivered = steps * report["goodput"] if steps and report.get("goodput") is not None else None
+    base_delivered = baseline_steps * report["goodput_baseline"] if report.get("goodput_baseline") is not None else None
+    return {
+        "how": "final eval loss of the global model (same held-out batches) over the fault-free run's, both after "
+               "every learner ended its schedule. Under learner.schedule=run both runs stop at the run's budget of "
+               "learner steps, so they are near equal in steps (steps_ratio) and in tokens merged "
+               "(delivered_ratio: learner steps that reached a merged delta, goodput x steps); under own a "
+               "restarted learner repeats steps",
+        "learner_steps": steps, "baseline_learner_steps": baseline_steps, "steps_ratio": ratio(steps, baseline_steps),
+        "delivered_steps": None if delivered is None else round(delivered, 1),
+        "baseline_delivered_steps": None if base_delivered is None else round(base_delivered, 1),
+        "delivered_ratio": ratio(delivered, base_delivered)}
 
 
 def baseline_goodput(settings: Settings, learners: Iterable[str]) -> float | None:
