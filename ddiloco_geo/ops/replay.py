@@ -29,8 +29,9 @@ if every step is reproduced bit for bit, the newest global is exactly what the r
 hyperparameters produce from the initial weights.
 
 Inputs that are not in the bucket: the outer optimizer's hyperparameters (``syncer.outer_lr``,
-``syncer.outer_momentum``, ``syncer.nesterov``) come from the settings (``--set``/``--config``),
-unless a merge record carries them under ``"outer"``. The embedding rule comes from the model
+``syncer.outer_momentum``, ``syncer.nesterov``, ``syncer.outer_warmup``) come from the settings
+(``--set``/``--config``), unless a merge record carries them under ``"outer"`` (every record the syncer
+writes does; one written before ``outer_warmup`` existed had no warm-up). The embedding rule comes from the model
 settings in ``run.json`` (module types and name patterns, as the syncer decides it).
 
 Determinism: merging runs with a fixed contributor order (the record's; float64 for norms and sums, see :mod:`ddiloco_geo.core.merge`), quantization is
