@@ -28,6 +28,18 @@ def fresh_store():
     return open_store(config.StorageConfig(url=f"memory://replay-{uuid.uuid4().hex[:10]}"))
 
 
+def with_record(store, spec, changes):
+    """A copy of ``store`` whose merge records are changed: ``changes[(p, v)](record) -> record``."""
+    replace = {}
+    for (p, v), change in changes.items():
+        g_header, g_tensors = protocol.read_global(store, spec, p, v)
+        g_header.extra = change(dict(g_header.extra))
+        replace[layout.global_key(p, v)] = codec.encode(g_tensors, g_header, codec="fp32")
+    copy = fresh_store()
+    copy_store(store, copy, replace=replace)
+    return copy
+
+
 def reencode_global(store, spec, p, v, change):
     """The bytes of global p/v with ``change(tensors)`` applied (header kept, checksum valid)."""
     header, tensors = protocol.read_global(store, spec, p, v)
@@ -98,10 +110,7 @@ def test_replay_checks_the_outer_state_and_the_hyperparameters(history):
     # the merge record names the outer hyperparameters the syncer used; replay trusts the record
     # over its own settings, and a record that lies about them diverges
     assert replay(run.store, run.spec, outer_kwargs={**OUTER, "lr": 0.69})["ok"]
-    g_header, g_tensors = protocol.read_global(run.store, run.spec, 0, 1)
-    g_header.extra = {**g_header.extra, "outer": {**g_header.extra["outer"], "lr": 0.69}}
-    lying = fresh_store()
-    copy_store(run.store, lying, replace={layout.global_key(0, 1): codec.encode(g_tensors, g_header, codec="fp32")})
+    lying = with_record(run.store, run.spec, {(0, 1): lambda r: {**r, "outer": {**r["outer"], "lr": 0.69}}})
     d = replay(lying, run.spec, outer_kwargs=OUTER)["first_divergence"]
     assert (d["fragment"], d["version"], d["what"]) == (0, 1, "params")
 
@@ -269,10 +278,7 @@ def test_replay_reproduces_per_index_merges_of_topk_deltas(tiny_run):
 @pytest.mark.parametrize("field, value", [("sparse_average", "bogus"), ("robust", ["median"])])
 def test_a_merge_record_naming_an_unknown_merge_is_a_divergence_not_a_crash(history, field, value):
     run, _ = history(rounds=2)
-    g_header, g_tensors = protocol.read_global(run.store, run.spec, 0, 1)
-    g_header.extra = {**g_header.extra, field: value}
-    lying = fresh_store()
-    copy_store(run.store, lying, replace={layout.global_key(0, 1): codec.encode(g_tensors, g_header, codec="fp32")})
+    lying = with_record(run.store, run.spec, {(0, 1): lambda r: {**r, field: value}})
     result = replay(lying, run.spec, outer_kwargs=OUTER)
     d = result["first_divergence"]
     assert not result["ok"] and (d["fragment"], d["version"], d["what"]) == (0, 1, "record")
@@ -294,22 +300,16 @@ def test_an_outer_warm_up_is_recorded_per_merge_and_replayed(history):
     result = replay(run.store, run.spec, outer_kwargs=OUTER)
     assert result["ok"] and result["bitwise"], result["first_divergence"]
     # a different warm-up in the records is another run: replay finds the first version it changes
-    g_header, g_tensors = protocol.read_global(run.store, run.spec, 0, 2)
-    g_header.extra = {**g_header.extra, "outer": {**g_header.extra["outer"], "warmup": 2}}
-    lying = fresh_store()
-    copy_store(run.store, lying, replace={layout.global_key(0, 2): codec.encode(g_tensors, g_header, codec="fp32")})
+    lying = with_record(run.store, run.spec, {(0, 2): lambda r: {**r, "outer": {**r["outer"], "warmup": 2}}})
     d = replay(lying, run.spec, outer_kwargs=OUTER)["first_divergence"]
     assert (d["fragment"], d["version"], d["what"]) == (0, 2, "params")
 
 
 def test_a_record_from_before_the_outer_warm_up_replays_without_one(history):
     run, _ = history(rounds=3)
-    old = fresh_store()
-    replace = {}
-    for v in (1, 2, 3):
-        g_header, g_tensors = protocol.read_global(run.store, run.spec, 0, v)
-        g_header.extra = {**g_header.extra, "outer": {k: x for k, x in g_header.extra["outer"].items() if k != "warmup"}}
-        replace[layout.global_key(0, v)] = codec.encode(g_tensors, g_header, codec="fp32")
-    copy_store(run.store, old, replace=replace)
+    def without_warmup(r):
+        return {**r, "outer": {k: x for k, x in r["outer"].items() if k != "warmup"}}
+
+    old = with_record(run.store, run.spec, {(0, v): without_warmup for v in (1, 2, 3)})
     result = replay(old, run.spec, outer_kwargs={**OUTER, "warmup": 3})
     assert result["ok"] and result["bitwise"], result["first_divergence"]
