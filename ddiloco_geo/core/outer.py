@@ -69,6 +69,13 @@ class OuterOptimizer:
         r = self.num_steps / self.warmup
         return 1.0 + (self.lr - 1.0) * r, self.momentum * r
 
+    def ramp_record(self) -> dict[str, dict[str, float]]:
+        """For the merge record of the next step: ``{"outer_step": {"lr", "momentum"}}`` while it is
+        inside the warm-up, else nothing (the record's ``outer`` says the rest)."""
+        if self.num_steps >= self.warmup:
+            return {}
+        return {"outer_step": dict(zip(("lr", "momentum"), self.effective()))}
+
     def _check_names(self, tensors: dict[str, torch.Tensor], what: str) -> None:
         assert self._bufs is not None
         if set(tensors) != set(self._bufs):

@@ -266,7 +266,11 @@ class Replayer:
                              f"sparse_average: {merge.SPARSE_MODES}); replay it with the release that wrote it")
         # a record names the optimizer it stepped with; one written before syncer.outer_warmup had none
         okw = {**self.outer_kwargs, **({"warmup": 0, **rec["outer"]} if isinstance(rec.get("outer"), dict) else {})}
-        outer = OuterOptimizer(**okw)
+        try:
+            outer = OuterOptimizer(**okw)
+        except (TypeError, ValueError) as exc:
+            raise Divergence(p, v, "record", f"merge record has outer={rec.get('outer')!r} ({exc}): not an outer "
+                             "optimizer this build knows; replay it with the release that wrote it") from None
         outer.load_state_dict(outer_state_from_wire(state.momentum, state.header))
         new_params, stepped = merge_and_step(params, outer, anchored, weights, self.is_embedding, okw,
                                              robust, rec.get("trim_ratio", 0.25), sparse, rec.get("final") is True)

@@ -275,7 +275,9 @@ def test_replay_reproduces_per_index_merges_of_topk_deltas(tiny_run):
     assert result["ok"] and result["bitwise"], result["first_divergence"]
 
 
-@pytest.mark.parametrize("field, value", [("sparse_average", "bogus"), ("robust", ["median"])])
+@pytest.mark.parametrize("field, value", [("sparse_average", "bogus"), ("robust", ["median"]),
+                                          ("outer", {"lr": 0.7, "momentum": 0.9, "warmup": -3}),
+                                          ("outer", {"lr": "fast", "momentum": 0.9}), ("outer", {"beta": 2})])
 def test_a_merge_record_naming_an_unknown_merge_is_a_divergence_not_a_crash(history, field, value):
     run, _ = history(rounds=2)
     lying = with_record(run.store, run.spec, {(0, 1): lambda r: {**r, field: value}})
