@@ -14,6 +14,7 @@ import torch
 
 from ddiloco_geo import protocol
 from ddiloco_geo.cli.settings import settings_from
+from ddiloco_geo.core.outer import settings_kwargs
 from ddiloco_geo.core.signing import tool_keys
 from ddiloco_geo.ops.replay import replay
 from ddiloco_geo.storage import open_store
@@ -43,8 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = settings.syncer
-    outer_kwargs = {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.nesterov,
-                    "warmup": cfg.outer_warmup}
+    outer_kwargs = settings_kwargs(cfg)
     verifier, required = tool_keys(settings.security)
     store = open_store(settings.storage)
     try:

@@ -41,6 +41,12 @@ MOMENTUM_PREFIX = "momentum."
 NUM_STEPS_KEY = "num_steps"
 
 
+def settings_kwargs(cfg: Any) -> dict[str, Any]:
+    """The optimizer's keyword arguments from a ``SyncerConfig`` (``syncer.outer_lr``,
+    ``outer_momentum``, ``nesterov``, ``outer_warmup``): what a merge record names under ``outer``."""
+    return {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.nesterov, "warmup": cfg.outer_warmup}
+
+
 class OuterOptimizer:
     def __init__(
         self,

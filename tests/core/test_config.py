@@ -67,6 +67,8 @@ def test_env_lists_are_parsed_as_json():
         ({"cli": {"run": {"codec": "int3"}}}, "run.codec"),
         ({"cli": {"syncer": {"shard": "3/2"}}}, "0 <= i < N"),
         ({"cli": {"data": {"shard": "x"}}}, "i/N"),
+        ({"cli": {"syncer": {"outer_warmup": -1}}}, "syncer.outer_warmup"),
+        ({"environ": {"DDILOCO_SYNCER__OUTER_WARMUP": "a few"}}, "DDILOCO_SYNCER__OUTER_WARMUP"),
     ],
 )
 def test_invalid_values_are_rejected_with_a_fix(kwargs, needle):

@@ -28,7 +28,7 @@ import torch
 
 from ddiloco_geo.core import data as datamod
 from ddiloco_geo.core import model as modelmod
-from ddiloco_geo.core.outer import OuterOptimizer, merge_and_step
+from ddiloco_geo.core.outer import OuterOptimizer, merge_and_step, settings_kwargs
 from ddiloco_geo.learner.data import eval_batches_for, make_reader
 from ddiloco_geo.learner.schedule import lr_schedule
 from ddiloco_geo.tools.inprocess import Fault, InProcessRun, LearnerSpeed
@@ -114,7 +114,7 @@ def train_lockstep(settings, num_learners: int, *, eval_every_tokens: int = 0, l
     for r in replicas:
         modelmod.set_tensors(r, global_params)
     opts = [_optimizer(r, cfg, cfg.lr) for r in replicas]
-    okw = {"lr": scfg.outer_lr, "momentum": scfg.outer_momentum, "nesterov": scfg.nesterov, "warmup": scfg.outer_warmup}
+    okw = settings_kwargs(scfg)
     outer = OuterOptimizer(**okw)
     is_emb = modelmod.embedding_rule(settings.model)
     data = Data(settings, num_learners)
