@@ -496,7 +496,8 @@ def test_a_learner_that_ended_its_schedule_by_the_runs_position_is_not_downtime(
 def test_the_loss_comparison_says_how_far_apart_the_runs_are_in_steps_taken_and_delivered():
     from ddiloco_geo.tools.chaos.baseline import loss_comparison
     report = {"steps_taken": 441, "goodput": 0.8, "goodput_baseline": 0.98}
-    c = loss_comparison(report, 387)
+    c = loss_comparison(report, 387, 118)
+    assert c["baseline_max_steps"] == 118 and "equal tokens merged" in c["how"]
     assert c["steps_ratio"] == round(441 / 387, 4)
     assert (c["delivered_steps"], c["baseline_delivered_steps"]) == (352.8, round(387 * 0.98, 1))
     assert c["delivered_ratio"] == round(441 * 0.8 / (387 * 0.98), 4)  # lost work: fewer tokens merged
@@ -504,3 +505,17 @@ def test_the_loss_comparison_says_how_far_apart_the_runs_are_in_steps_taken_and_
     # without a goodput (nothing merged, or an unreadable baseline) there is no ratio, and no crash
     c = loss_comparison({"steps_taken": 441, "goodput": None, "goodput_baseline": None}, 387)
     assert c["delivered_ratio"] is None and c["steps_ratio"] == round(441 / 387, 4)
+
+
+@pytest.mark.unit
+def test_the_baseline_runs_as_many_learner_steps_as_the_chaos_run_delivered():
+    from ddiloco_geo.core import config
+    from ddiloco_geo.tools.chaos.baseline import equal_token_steps
+    settings, _ = config.load(cli={"learner": {"max_steps": 120}, "local": {"learners": 3}})
+    # 445 steps taken, 2% of them lost: 436.1 delivered, over 3 learners
+    assert equal_token_steps({"steps_taken": 445, "goodput": 0.98}, settings) == 145
+    assert equal_token_steps({"steps_taken": 200, "goodput": 0.5}, settings) == 33  # lost work: a shorter baseline
+    # nothing merged or no goodput: the chaos run's own budget, never 0
+    assert equal_token_steps({"steps_taken": 445, "goodput": None}, settings) == 120
+    assert equal_token_steps({"steps_taken": 0, "goodput": 1.0}, settings) == 120
+    assert equal_token_steps({"steps_taken": 1, "goodput": 0.01}, settings) == 1

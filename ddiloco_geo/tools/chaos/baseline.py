@@ -1,6 +1,9 @@
 """The fault-free baseline of a chaos run: the same job without chaos, for ``loss_ratio``.
 
-Same settings, M learners and steps, on a fresh prefix of the same bucket, run by
+Same settings and M learners on a fresh prefix of the same bucket, at equal tokens merged: its
+``learner.max_steps`` is the chaos run's delivered learner steps (goodput x steps taken) over M, so
+both runs merge about as many tokens, each over its own whole learning-rate schedule (the chaos run's
+restarts and stragglers make it take more steps than its budget, and lose some). Run by
 :class:`~ddiloco_geo.tools.local.LocalRun` (what ``ddiloco-geo local`` runs): no proxies, no
 stragglers, no kills, no storage faults. Its children get the chaos run's environment (no
 ``DDILOCO_*`` variables: the settings file decides). It runs in a thread so the chaos run's hard
@@ -37,11 +40,13 @@ def run_baseline(settings: Settings, report: dict[str, Any], *, url: str, out: P
                  deadline: float) -> None:
     """Run the baseline at ``url`` and add its figures to ``report``. ``deadline``: ``time.monotonic()``
     after which its processes are killed."""
+    max_steps = equal_token_steps(report, settings)
     settings = settings.model_copy(update={
         "storage": settings.storage.model_copy(update={"url": url}),
         "local": settings.local.model_copy(update={"out": str(out)}),
+        "learner": settings.learner.model_copy(update={"max_steps": max_steps}),
     })
-    log.info("chaos_baseline_start store=%s", url)
+    log.info("chaos_baseline_start store=%s max_steps=%d", url, max_steps)
     lr = LocalRun(settings, eval_every_s=0, live=False, env=env)
     result: dict[str, Any] = {}
 
@@ -70,10 +75,19 @@ def run_baseline(settings: Settings, report: dict[str, Any], *, url: str, out: P
     baseline_steps = sum(int(l.get("steps") or 0) for l in s["learners"].values())
     report["baseline_deltas_unaccounted"] = s["deltas_unaccounted"]
     report["goodput_baseline"] = baseline_goodput(settings, s["learners"])
-    report["loss_comparison"] = loss_comparison(report, baseline_steps)
+    report["loss_comparison"] = loss_comparison(report, baseline_steps, max_steps)
 
 
-def loss_comparison(report: dict[str, Any], baseline_steps: int) -> dict[str, Any]:
+def equal_token_steps(report: Mapping[str, Any], settings: Settings) -> int:
+    """The baseline's ``learner.max_steps``: the chaos run's delivered learner steps over M (its own
+    ``max_steps`` when the chaos report has no goodput)."""
+    steps, goodput = report.get("steps_taken"), report.get("goodput")
+    if not steps or goodput is None:
+        return settings.learner.max_steps
+    return max(1, round(steps * goodput / settings.local.learners))
+
+
+def loss_comparison(report: dict[str, Any], baseline_steps: int, baseline_max_steps: int | None = None) -> dict[str, Any]:
     """How ``loss_ratio`` compares the two runs: at the end of each, and how far apart in learner steps
     taken and in learner steps delivered (merged: goodput x steps), the measure of tokens merged."""
     def ratio(a: float | None, b: float | None) -> float | None:
@@ -84,10 +98,10 @@ def loss_comparison(report: dict[str, Any], baseline_steps: int) -> dict[str, An
     base_delivered = baseline_steps * report["goodput_baseline"] if report.get("goodput_baseline") is not None else None
     return {
         "how": "final eval loss of the global model (same held-out batches) over the fault-free run's, both after "
-               "every learner ended its schedule. Under learner.schedule=run both runs stop at the run's budget of "
-               "learner steps, so they are near equal in steps (steps_ratio) and in tokens merged "
-               "(delivered_ratio: learner steps that reached a merged delta, goodput x steps); under own a "
-               "restarted learner repeats steps",
+               "every learner ended its schedule, at equal tokens merged: the fault-free run's learner.max_steps "
+               "(baseline_max_steps) is the chaos run's delivered learner steps (learner steps that reached a "
+               "merged delta, goodput x steps) over M; delivered_ratio says how near equal they came",
+        "baseline_max_steps": baseline_max_steps,
         "learner_steps": steps, "baseline_learner_steps": baseline_steps, "steps_ratio": ratio(steps, baseline_steps),
         "delivered_steps": None if delivered is None else round(delivered, 1),
         "baseline_delivered_steps": None if base_delivered is None else round(base_delivered, 1),
