@@ -53,15 +53,15 @@ class Data:
         self.eval = eval_batches_for(d, block_size=b, batch_size=n)
 
 
-def lr_scales(text: str) -> list[float]:
-    """``--dp-lr-scales``: a comma list of positive multipliers of ``learner.lr``; SystemExit, saying
+def lr_scales(text: str, flag: str = "--dp-lr-scales") -> list[float]:
+    """``--dp-lr-scales`` (or ``flag``): a comma list of positive multipliers of ``learner.lr``; SystemExit, saying
     what to give, for anything else."""
     try:
         scales = [float(s) for s in text.split(",") if s.strip()]
     except ValueError:
         scales = []
     if not scales or not all(0 < s < float("inf") for s in scales):
-        raise SystemExit(f"--dp-lr-scales {text!r}: give a comma list of positive numbers (multipliers of "
+        raise SystemExit(f"{flag} {text!r}: give a comma list of positive numbers (multipliers of "
                          "learner.lr), e.g. 0.5,0.75,1")
     return scales
 
