@@ -165,16 +165,17 @@ def merge_and_step(params: dict[str, torch.Tensor], outer: OuterOptimizer, ancho
                    weights: list[float], is_embedding: Callable[[str], bool],
                    outer_kwargs: dict[str, Any], robust: str = "none",
                    trim_ratio: float = 0.25, sparse: str = "dense",
-                   final: bool = False) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
+                   final: float = 0.0) -> tuple[dict[str, torch.Tensor], OuterOptimizer]:
     """Token-weighted RDA (mean for embeddings), a robust average, or the per-index mean of sparse
     deltas (:func:`ddiloco_geo.core.merge.merge_fragment`); then one outer Nesterov step
     on a copy of ``outer`` (with ``outer_kwargs``' hyperparameters, ``outer``'s momentum and step
     count). The merged pseudo-gradient lives in the merge's reused buffer and is consumed there.
 
-    ``final`` (a merge of learners' final deltas, ``syncer.final_merge = average``): the models are
+    ``final`` > 0 (a merge of learners' final deltas, ``syncer.final_merge = average``): the models are
     averaged instead, the weighted mean for every tensor (not RDA, whose norm-preserving step goes past
-    the mean of the models) applied in full, lr 1, and the momentum is left as it was (nothing more
-    to accelerate; a run extended later goes on with it)."""
+    the mean of the models) applied at lr ``final`` (1: in full; below 1, a later learner joining the
+    average of the models merged before, :func:`ddiloco_geo.syncer.rounds.final_share`), and the
+    momentum is left as it was (nothing more to accelerate; a run extended later goes on with it)."""
     delta = merge.merge_fragment(anchored, weights, (lambda _name: True) if final else is_embedding, robust=robust,
                                  trim_ratio=trim_ratio, sparse=sparse, reuse_buffer=True)
     stepped = outer.copy(**outer_kwargs)
@@ -183,4 +184,4 @@ def merge_and_step(params: dict[str, torch.Tensor], outer: OuterOptimizer, ancho
     names = list(params)
     stepped.num_steps += 1
     return dict(zip(names, torch._foreach_sub([params[n].detach().to("cpu", torch.float32) for n in names],
-                                              [delta[n] for n in names]))), stepped
+                                              [delta[n] for n in names], alpha=float(final)))), stepped

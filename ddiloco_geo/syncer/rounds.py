@@ -155,7 +155,23 @@ class Merge:
     outer: OuterOptimizer
     clock: VectorClock
     entries: list[dict[str, Any]]
-    final: bool = False  # the learners' models averaged (see build_merge)
+    final: float = 0.0  # > 0: the learners' models averaged, this share of the way (see build_merge)
+
+    def final_record(self) -> dict[str, Any]:
+        """What a final merge adds to its merge record (``final``, and ``final_share`` below 1)."""
+        if not self.final:
+            return {}
+        return {"final": True, **({"final_share": self.final} if self.final < 1 else {})}
+
+
+def final_share(state: FragmentState, contributors: list[PendingDelta]) -> float:
+    """How far a final merge moves the fragment to the mean of its contributors' models: their
+    number over that of every learner averaged into the fragment so far (``state.finalized``) or now.
+    The learners' final deltas rarely reach one merge together: the first final merge averages the
+    models it holds in full, and a learner that finishes later joins that average with its share
+    (1/3 for the third) instead of replacing it with its own model."""
+    here = {d.learner for d in contributors}
+    return len(here) / len(here | state.finalized)
 
 
 def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: dict[int, dict[str, torch.Tensor]],
@@ -172,8 +188,9 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     ``dense`` or ``per_index`` (:func:`ddiloco_geo.core.merge.per_index_mean`, for top-k deltas).
     ``final_merge``: ``average`` averages the learners' models in a merge holding a final delta
     (:func:`final_marks`, whose entries record ``final``; ``final`` in
-    :func:`~ddiloco_geo.core.outer.merge_and_step`): at the end of the run the outer momentum would
-    carry the global past where the learners are; ``outer`` steps every merge alike.
+    :func:`~ddiloco_geo.core.outer.merge_and_step`, by :func:`final_share`): at the end of the run
+    the outer momentum would carry the global past where the learners are; ``outer`` steps every
+    merge alike.
     """
     anchored, weights, entries = [], [], []
     marks = final_marks(state, contributors) if final_merge == "average" else set()
@@ -191,9 +208,10 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
                         **({"final": True} if d.learner in marks else {})})
     if not anchored or sum(weights) <= 0:
         return None
+    share = final_share(state, contributors) if marks else 0.0
     params, outer = merge_and_step(state.params, state.outer, anchored, weights, is_embedding,
-                                   outer_kwargs, robust, trim_ratio, sparse, bool(marks))
+                                   outer_kwargs, robust, trim_ratio, sparse, share)
     clock = state.clock
     for d in contributors:
         clock = clock.merge(d.header.clock)
-    return Merge(params, outer, clock, entries, bool(marks))
+    return Merge(params, outer, clock, entries, share)

@@ -251,7 +251,7 @@ class Syncer:
             "kind": "merge", "merged": entries, "superseded": [d.key for d in superseded],
             "contributors": len({e["learner"] for e in entries}), "grace_s": grace,
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
-            "outer": self.outer_kwargs, **({"final": True} if merged.final else state.outer.ramp_record()),
+            "outer": self.outer_kwargs, **(merged.final_record() or state.outer.ramp_record()),
             "update_codec": self.update_codec, "robust": self.robust, "trim_ratio": self.trim_ratio, "anchoring": self.anchoring,
             "sparse_average": self.sparse_average, "clipped": sum(1 for e in entries if "clip" in e),
         }

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddiloco_geo.core.outer import OuterOptimizer, merge_and_step
+from ddiloco_geo.core.outer import MOMENTUM_PREFIX, OuterOptimizer, merge_and_step
 
 pytestmark = pytest.mark.unit  # no servers, no subprocesses
 
@@ -150,6 +150,21 @@ def test_a_final_merge_first_leaves_a_state_that_loads_and_steps_on():
     fresh = OuterOptimizer(**kwargs).step(new, grad)
     stepped_on = loaded.step(new, grad)
     assert all(torch.equal(fresh[n], stepped_on[n]) for n in SHAPES) and loaded.num_steps == 2
+
+
+@pytest.mark.parametrize("share", [1.0, 0.25])
+def test_a_final_merge_moves_its_share_of_the_way_to_the_mean_of_the_models(share):
+    # final = share: params - share * (weighted mean of the anchored deltas), every tensor a mean
+    # (no RDA), momentum untouched; 1 is the whole way (the models' mean), 1/4 a fourth learner
+    # joining the mean of three
+    kwargs = {"lr": 0.5, "momentum": 0.8, "nesterov": True}
+    params, deltas = _random(0), [_random(1), _random(2)]
+    new, stepped = merge_and_step(params, OuterOptimizer(**kwargs), deltas, [1.0, 3.0], lambda n: False,
+                                  kwargs, final=share)
+    for n in SHAPES:
+        mean = (deltas[0][n] + 3.0 * deltas[1][n]) / 4.0
+        torch.testing.assert_close(new[n], params[n] - share * mean, rtol=1e-6, atol=1e-6)
+    assert not any(k.startswith(MOMENTUM_PREFIX) for k in stepped.state_dict()) and stepped.num_steps == 1
 
 
 @pytest.mark.parametrize("nesterov", [True, False])

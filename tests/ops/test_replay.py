@@ -227,6 +227,32 @@ def test_replay_reproduces_a_final_merge_and_the_steps_after_it(history):
     assert result["ok"] and result["bitwise"], result["first_divergence"]
 
 
+def test_a_later_final_merge_joins_the_average_with_its_share_and_replays(history):
+    # a and b's final deltas averaged the models; c finishes later, alone: its model joins that
+    # average with a third (the record's final_share), and replay recomputes it bit for bit
+    run, syncer = history(rounds=3, **{"syncer.quorum": 1})
+    final = {"extra": {"final": True}}
+    v = syncer.fragments[0].version
+    for learner in ("a", "b"):
+        run.write_delta(learner, 0, base_version=v, header_overrides=final)
+    assert poll_and_merge(syncer) == 1
+    assert "final_share" not in protocol.read_header(run.store, layout.global_key(0, v + 1)).extra  # in full
+    run.write_delta("c", 0, base_version=v + 1, header_overrides=final)
+    assert poll_and_merge(syncer) == 1
+    rec = protocol.read_header(run.store, layout.global_key(0, v + 2)).extra
+    assert rec["final"] is True and rec["final_share"] == pytest.approx(1 / 3)
+    result = replay(run.store, run.spec, outer_kwargs=OUTER)
+    assert result["ok"] and result["bitwise"], result["first_divergence"]
+    # a record that lies about the share diverges there; one that is not a share is a bad record
+    lying = with_record(run.store, run.spec, {(0, v + 2): lambda r: {**r, "final_share": 0.5}})
+    d = replay(lying, run.spec, outer_kwargs=OUTER)["first_divergence"]
+    assert (d["fragment"], d["version"], d["what"]) == (0, v + 2, "params")
+    for bad in ("half", 1.5, 0, -0.1, None, True):
+        broken = with_record(run.store, run.spec, {(0, v + 2): lambda r: {**r, "final_share": bad}})
+        d = replay(broken, run.spec, outer_kwargs=OUTER)["first_divergence"]
+        assert (d["fragment"], d["version"], d["what"]) == (0, v + 2, "record") and "final_share" in d["detail"]
+
+
 def test_replay_without_an_update_object_tries_the_configured_codec(history):
     """A syncer that crashed between the global and its update object leaves no codec on record."""
     run, _ = history(rounds=3)
