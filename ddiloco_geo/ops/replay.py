@@ -274,7 +274,8 @@ class Replayer:
         outer.load_state_dict(outer_state_from_wire(state.momentum, state.header))
         share = rec.get("final_share", 1.0) if rec.get("final") is True else 0.0  # none before stop 31: in full
         if rec.get("final") is True and not (type(share) in (int, float) and 0 < share <= 1):
-            raise Divergence(p, v, "record", f"merge record has final_share={share!r}: expected a number in (0, 1]")
+            raise Divergence(p, v, "record", f"merge record has final_share={share!r}: expected a number in (0, 1] "
+                             "(an altered record, or one this build cannot read: replay it with the release that wrote it)")
         new_params, stepped = merge_and_step(params, outer, anchored, weights, self.is_embedding, okw,
                                              robust, rec.get("trim_ratio", 0.25), sparse, float(share))
 

@@ -78,13 +78,18 @@ def run_baseline(settings: Settings, report: dict[str, Any], *, url: str, out: P
     report["loss_comparison"] = loss_comparison(report, baseline_steps, max_steps)
 
 
+def delivered_steps(report: Mapping[str, Any]) -> float | None:
+    """The chaos run's learner steps that reached a merged delta (goodput x steps taken), the measure
+    of tokens merged; None without steps or a goodput."""
+    steps, goodput = report.get("steps_taken"), report.get("goodput")
+    return steps * goodput if steps and goodput is not None else None
+
+
 def equal_token_steps(report: Mapping[str, Any], settings: Settings) -> int:
     """The baseline's ``learner.max_steps``: the chaos run's delivered learner steps over M (its own
     ``max_steps`` when the chaos report has no goodput)."""
-    steps, goodput = report.get("steps_taken"), report.get("goodput")
-    if not steps or goodput is None:
-        return settings.learner.max_steps
-    return max(1, round(steps * goodput / settings.local.learners))
+    delivered = delivered_steps(report)
+    return settings.learner.max_steps if delivered is None else max(1, round(delivered / settings.local.learners))
 
 
 def loss_comparison(report: dict[str, Any], baseline_steps: int, baseline_max_steps: int | None = None) -> dict[str, Any]:
@@ -94,7 +99,7 @@ def loss_comparison(report: dict[str, Any], baseline_steps: int, baseline_max_st
         return round(a / b, 4) if a and b else None
 
     steps = report.get("steps_taken")
-    delivered = steps * report["goodput"] if steps and report.get("goodput") is not None else None
+    delivered = delivered_steps(report)
     base_delivered = baseline_steps * report["goodput_baseline"] if report.get("goodput_baseline") is not None else None
     return {
         "how": "final eval loss of the global model (same held-out batches) over the fault-free run's, both after "
