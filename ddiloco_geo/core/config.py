@@ -130,8 +130,8 @@ class LearnerConfig(Section):
         "learners heard from lately, held below max_steps until their mean reaches it: learners of different speeds anneal "
         "together, the run stops after M x max_steps steps; 'own': this learner's count (slower ones train the end alone)")
     send_schedule: Literal["fixed", "aligned"] = Field(
-        "aligned", description="when fragment p is sent: 'aligned' timed to the syncer's merges, fragments.overlap steps "
-        "before the next merge of p is expected (measured 2.8 points better at a compute-optimal budget); 'fixed' every H steps")
+        "aligned", description="when fragment p is sent: 'aligned' timed to the syncer's merges, a lead of steps before the next "
+        "merge of p (fragments.overlap, more while sends miss their merge) (2.8 points better at a compute-optimal budget); 'fixed' every H")
     adopt: Literal["overwrite", "keep_progress"] = Field(
         "keep_progress", description="on a new global G of fragment p: 'overwrite' sets local_p = G (work since the last delta was sent is "
         "lost); 'keep_progress' sets local_p = G + (local_p - ref_p), ref_p = local_p at the last send (or the base at the last adoption)")
@@ -228,7 +228,7 @@ class RunConfig(Section):
 class FragmentConfig(Section):
     num_fragments: int = Field(24, ge=1, description="P; fewer if the model has fewer tensors")
     sync_every: int = Field(16, ge=1, description="H: inner steps between two syncs of one fragment (bytes ~ 1/H)")
-    overlap: int = Field(2, ge=0, description="tau: steps a learner keeps training while a fragment is in flight")
+    overlap: int = Field(2, ge=0, description="tau: steps a learner keeps training while a fragment is in flight (the aligned send lead's floor; the grace slack)")
 
 
 class LocalConfig(Section):

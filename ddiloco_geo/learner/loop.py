@@ -150,9 +150,9 @@ class Learner:
                                      first_seq=protocol.next_delta_seq(self.store, self.learner_id, self.own_verifier),
                                      inline=self.inline_io, metrics=self.metrics, residual_decay=self.cfg.residual_decay)
             self.uploader.load_residuals(self.resumed_residual)
-            self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)),
-                                       dict(self.base), inline=self.inline_io or not self.cfg.sync_enabled,
-                                       verify=self.global_verifier, require_signature=self.require_signatures)
+            self.poller = GlobalPoller(self.store, self.spec, self.cfg.poll_s, dict(enumerate(self.base_version)), dict(self.base),
+                                       inline=self.inline_io or not self.cfg.sync_enabled, verify=self.global_verifier,
+                                       require_signature=self.require_signatures, me=self.learner_id)
             for header in headers:  # the run's steps as of the globals it joined at (learner.schedule=run)
                 self.poller.observe(header.extra)
         log.info("learner_joined learner=%s run=%s fragments=%d versions=%s world=%d", self.learner_id,
@@ -246,8 +246,8 @@ class Learner:
         last send, or keep the unsent part of it on top of the new global (``keep_progress``)."""
         if adoptions:
             self.metrics.globals_adopted_total.inc(len(adoptions))
-        for p, (version, tensors, clock) in adoptions.items():
-            self.schedule.adopted(p, self.step)
+        for p, (version, tensors, clock, mine) in adoptions.items():
+            self.schedule.adopted(p, self.step, mine)
             unsent_steps, unsent_tokens = self.c_steps[p] - self.c_ref_steps[p], self.c_tokens[p] - self.c_ref_tokens[p]
             self.frag_steps_past_send += unsent_steps  # trained past the send: out of step with this merge
             if self.keep_progress:

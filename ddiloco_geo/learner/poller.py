@@ -5,7 +5,9 @@ learner holds, into an inbox the learner drains at the top of its next step. In 
 index counts only if the syncer signed it (a forged one reads as empty). A global is accepted only
 if it decodes, matches the plan and (in a signed run) carries the syncer's signature; anything else
 is counted (``globals_rejected``), logged, and skipped without moving what the learner holds: it
-keeps training on what it has and takes the next version the index names. Shutdown:
+keeps training on what it has and takes the next version the index names. Each adoption also says
+whether the merges it holds took this learner's delta, and at which of its steps (the aligned send
+schedule's feedback on its lead). Shutdown:
 :meth:`GlobalPoller.stop` sets the stop event and joins the thread.
 """
 
@@ -40,15 +42,17 @@ class GlobalPoller:
 
     def __init__(self, store: Store, spec: protocol.RunSpec, poll_s: float, held: dict[int, int],
                  current: dict[int, dict[str, torch.Tensor]], inline: bool = False, verify: Any = None,
-                 require_signature: bool = False) -> None:
-        self.store, self.spec, self.poll_s = store, spec, poll_s
+                 require_signature: bool = False, me: str | None = None) -> None:
+        self.store, self.spec, self.poll_s, self.me = store, spec, poll_s, me
         self.verify, self.require_signature = verify, require_signature
         self.known = dict(held)
         self.current = dict(current)  # the tensors of each known version (shared, never mutated)
         self.lag: dict[int, int] = {}  # versions behind the index when last seen
         self.refused: dict[int, int] = {}  # fragment -> the version the index named that did not verify
         self.steps: dict[str, int] = {}  # learner -> its newest step in a merge this learner downloaded
-        self.inbox: dict[int, tuple[int, dict[str, torch.Tensor], VectorClock]] = {}
+        # fragment -> (version, tensors, clock, this learner's newest step in the merges since the version
+        # it held: -1 if none took its delta, None if unknown: a full global fetched over skipped versions)
+        self.inbox: dict[int, tuple[int, dict[str, torch.Tensor], VectorClock, int | None]] = {}
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self.counters = {"globals_fetched": 0, "updates_applied": 0, "update_fallbacks": 0,
@@ -58,7 +62,7 @@ class GlobalPoller:
             self.thread = threading.Thread(target=self._loop, name="global-poller", daemon=True)
             self.thread.start()
 
-    def take(self) -> dict[int, tuple[int, dict[str, torch.Tensor], VectorClock]]:
+    def take(self) -> dict[int, tuple[int, dict[str, torch.Tensor], VectorClock, int | None]]:
         with self.lock:
             out, self.inbox = self.inbox, {}
         return out
@@ -85,7 +89,7 @@ class GlobalPoller:
                 try:
                     header, tensors = protocol.read_global(self.store, self.spec, p, v, verify=self.verify,
                                                          require_signature=self.require_signature)
-                    fetched = (tensors, header.clock)
+                    fetched = (tensors, header.clock, self.mine(header.extra) if v - held == 1 else None)
                     self.observe(header.extra)
                     self.counters["globals_fetched"] += 1
                 except (CodecError, NotFoundError) as exc:
@@ -96,19 +100,23 @@ class GlobalPoller:
             self.known[p] = v
             self.current[p] = fetched[0]
             with self.lock:
-                self.inbox[p] = (v, fetched[0], fetched[1])
+                self.inbox[p] = (v, *fetched)
 
     def observe(self, extra: dict) -> None:
         with self.lock:
             for learner, step in merged_steps(extra).items():
                 self.steps[learner] = max(step, self.steps.get(learner, 0))
 
+    def mine(self, extra: dict) -> int:
+        """This learner's step in a merge's record (-1: the merge did not take its delta)."""
+        return merged_steps(extra).get(self.me, -1) if self.me is not None else -1
+
     def run_steps(self) -> dict[str, int]:
         with self.lock:
             return dict(self.steps)
 
     def _via_updates(self, p: int, held: int, version: int):
-        tensors, clock = self.current[p], VectorClock()
+        tensors, clock, mine = self.current[p], VectorClock(), -1
         try:
             for v in range(held + 1, version + 1):
                 data = self.store.get(layout.global_update_key(p, v))
@@ -122,13 +130,14 @@ class GlobalPoller:
                 if codec.checksum_of(tensors) != header.extra.get("global_checksum"):
                     raise CodecError("checksum", f"rebuilt fragment {p} version {v} differs from the global")
                 clock = clock.merge(header.clock)
+                mine = max(mine, self.mine(header.extra))
                 self.observe(header.extra)
         except (CodecError, NotFoundError) as exc:
             self.counters["update_fallbacks"] += 1
             log.debug("update_fallback fragment=%d version=%d reason=%s", p, version, exc)
             return None
         self.counters["updates_applied"] += version - held
-        return tensors, clock
+        return tensors, clock, mine
 
     def stop(self) -> None:
         self.stop_event.set()

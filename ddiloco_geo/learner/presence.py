@@ -89,6 +89,7 @@ def status_record(learner: Any, state: str = "running") -> dict[str, Any]:
         "parallel": "fsdp" if learner.sharded else ("ddp" if learner.world > 1 else "none"),
         "uploads": dict(learner.uploader.counters), "upload_queue": learner.uploader.depth(),
         "poller": dict(learner.poller.counters),
+        "send_timing": dict(learner.schedule.timing) if learner.schedule.timing else None,  # the aligned lead
         "fragment_steps": {"trained": learner.frag_steps_trained, "past_send": learner.frag_steps_past_send,
                            "discarded": learner.frag_steps_discarded},
         "storage": learner.store.stats.snapshot(),

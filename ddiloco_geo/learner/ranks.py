@@ -121,15 +121,16 @@ def gather_objects(obj: Any, world: int) -> list:
 
 def sync_control(adoptions: dict, stop: bool, position: int, rank: int, world: int,
                  plan: FragmentPlan) -> tuple[dict, bool, int]:
-    """Rank 0 tells every rank which fragment versions to adopt this step, whether to stop and
-    where the step is on the learning-rate schedule, so every rank does the same."""
+    """Rank 0 tells every rank which fragment versions to adopt this step (and what the poller saw of
+    this learner's step in their merges), whether to stop and where the step is on the learning-rate
+    schedule, so every rank does the same."""
     if world == 1:
         return adoptions, stop, position
     P = plan.num_fragments
-    ctrl = torch.full((P + 2,), -1, dtype=torch.int64)
+    ctrl = torch.full((2 * P + 2,), -1, dtype=torch.int64)
     if rank == 0:
-        for p, (v, _, _) in adoptions.items():
-            ctrl[p] = v
+        for p, (v, _, _, mine) in adoptions.items():
+            ctrl[p], ctrl[P + 2 + p] = v, -2 if mine is None else mine
         ctrl[P], ctrl[P + 1] = int(stop), position
     dist.broadcast(ctrl, src=0)
     out = {}
@@ -143,5 +144,6 @@ def sync_control(adoptions: dict, stop: bool, position: int, rank: int, world: i
             tensors = {n: torch.empty(plan.shapes[n], dtype=torch.float32) for n in names}
         for n in names:
             dist.broadcast(tensors[n], src=0)
-        out[p] = (int(ctrl[p]), tensors, adoptions[p][2] if rank == 0 else VectorClock())
+        mine = int(ctrl[P + 2 + p])
+        out[p] = (int(ctrl[p]), tensors, adoptions[p][2] if rank == 0 else VectorClock(), None if mine == -2 else mine)
     return out, bool(ctrl[P].item()), int(ctrl[P + 1].item())

@@ -219,6 +219,8 @@ def clean_learner_record(rec: dict[str, Any]) -> dict[str, Any]:
         "versions": _versions(rec.get("versions")),
         "fragment_steps": {k: _count((rec.get("fragment_steps") if isinstance(rec.get("fragment_steps"), dict)
                                       else {}).get(k)) for k in ("trained", "past_send", "discarded")},
+        "send_timing": {k: _count(rec["send_timing"].get(k)) for k in ("lead", "on_time", "late")}
+        if isinstance(rec.get("send_timing"), dict) else None,
         "history": [h for h in history[:100_000] if isinstance(h, dict)],
         "signer": _text(rec.get("signer")),
         "checkpoint": _text(rec.get("checkpoint")), "resumed_from": _text(rec.get("resumed_from")),

@@ -1,17 +1,22 @@
-"""Rounds: when a fragment is merged (quorum, adaptive grace, merge spacing) and what a merge is.
+"""Rounds: when a fragment is merged (quorum, merge spacing, adaptive grace) and what a merge is.
 
 Decoupled DiLoCo (arXiv 2604.21428), per fragment p:
 
 1. **quorum**: at least K distinct learners have a pending delta (ξ_quorum = time from the first
    pending delta to quorum, EMA-smoothed);
-2. **adaptive grace window** ξ_grace = γ · max(0, τ·ξ_step − ξ_quorum − ξ_sync): stragglers join only
-   inside the slack the learners' τ-step overlap leaves (ξ_step: the median of each learner's EMA of
-   the step times in its delta headers, :class:`~ddiloco_geo.syncer.state.StepTimes`; ξ_sync the
-   time a merge and publish take);
-3. **merge spacing**: at most one merge of a fragment per ``merge_spacing`` fragment periods
-   (H · ξ_step). With K = 1 and learners whose step counts drift apart, merging each arrival alone
-   steps the outer Nesterov optimizer M times a period with single contributors, which over-drives
-   it (PAPER-NOTES 5.6); learners never wait for it.
+2. **merge spacing**: a round opens at most once per ``merge_spacing`` fragment periods
+   (H · ξ_step) after the fragment's last merge (the first round: at its first delta). With K = 1
+   and learners whose step counts drift apart, merging each arrival alone steps the outer Nesterov
+   optimizer M times a period with single contributors, which over-drives it (PAPER-NOTES 5.6);
+   learners never wait for it;
+3. **adaptive grace window** ξ_grace = γ · max(0, τ·ξ_step − ξ_quorum − ξ_sync), counted from when
+   the open round has its quorum (ξ_quorum: from the opening to the K-th learner's first delta, 0
+   when they were already there): stragglers join only inside the slack the learners' τ-step
+   overlap leaves (ξ_step: the median of each learner's EMA of the step times in its delta headers,
+   :class:`~ddiloco_geo.syncer.state.StepTimes`; ξ_sync the time a merge and publish take). Until
+   2026-12-04 the window ran from the first delta's arrival, usually long before the round opened,
+   so it had passed by the time the merge was allowed and a delta arriving just after the opening
+   waited a whole period; and ξ_quorum counted the wait for the spacing, which took the slack to 0.
 
 A merge (:func:`build_merge`): of several deltas of one learner on the same base the newest
 supersedes the older (deltas are cumulative since the learner adopted that base); each delta is
@@ -59,18 +64,22 @@ class RoundPolicy:
             return False
         if draining:
             return True
-        if len({d.learner for d in state.pending}) < self.quorum:
+        first: dict[str, float] = {}  # learner -> when its first pending delta arrived
+        for d in state.pending:
+            first[d.learner] = min(d.arrived_s, first.get(d.learner, d.arrived_s))
+        if len(first) < self.quorum:
             return False
         if state.quorum_s is None:
-            state.quorum_s = now
-            waited = now - (state.round_open_s or now)
+            reached = sorted(first.values())[self.quorum - 1]
+            opens = reached if state.round_open_s is None else state.round_open_s
+            if state.last_merge_s is not None:  # the round opens when merge spacing allows the next merge
+                opens = state.last_merge_s + self.merge_spacing * self.sync_every * self.step_times.get()
+            state.quorum_s = max(reached, opens)  # the grace window runs from here
+            waited = max(0.0, reached - opens)
             self.ema_quorum.update(waited)
             if on_quorum is not None:
                 on_quorum(waited)
-        if now < state.quorum_s + self.grace_s():
-            return False
-        spacing = self.merge_spacing * self.sync_every * self.step_times.get()
-        return state.last_merge_s is None or now >= state.last_merge_s + spacing
+        return now >= state.quorum_s + self.grace_s()
 
 
 def learner_step(header) -> int | None:

@@ -197,6 +197,7 @@ class LocalRun:
                 "tokens_per_s": rec.get("tokens_per_s"), "deltas_sent": (rec.get("uploads") or {}).get("deltas_sent") or 0,
                 "exit_code": self.exit_codes.get(name), "history": rec.get("history", []),
                 "bytes_up": st.get("bytes_up", 0), "bytes_down": st.get("bytes_down", 0),
+                "send_timing": rec.get("send_timing"),  # the aligned send lead and how its sends fared
             }
         syncer_status = protocol.syncer_status(store, layout.syncer_status_key(0, 1), self.verifier) or {}
         sst = syncer_status.get("storage") if isinstance(syncer_status.get("storage"), dict) else {}

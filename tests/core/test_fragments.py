@@ -232,6 +232,60 @@ def test_aligned_schedule_sends_lead_steps_before_the_next_merge_is_expected():
     assert sched.period == before
 
 
+def _merged_run(sched: AlignedSchedule, need: int, steps: int, period: int = 24) -> list[bool]:
+    """A learner on ``sched`` (one fragment) and a syncer that merges it every ``period`` steps; a
+    delta reaches the syncer ``need`` steps after its send and waits there for the next merge; the
+    learner adopts a merge one step after it. Returns, per adoption, whether it took the learner's
+    last send (on time)."""
+    pending, arrived, made = None, None, []
+    for step in range(1, steps):
+        if step > 1 and (step - 1) % period == 0:
+            took = pending if pending is not None and pending + need <= step - 1 else None
+            if took is not None:
+                arrived, pending = took, None
+            sched.adopted(0, step, -1 if took is None else took)
+            made.append(took is not None)
+        if sched.due(step):
+            pending = step
+    return made
+
+
+@pytest.mark.unit
+def test_the_aligned_lead_grows_until_sends_make_their_merge_and_then_holds():
+    """A delta that needs more than τ steps to reach the syncer (S3 latency, short steps) missed
+    every merge it was timed for at a fixed lead; the lead now follows what the merges say."""
+    fixed_lead = AlignedSchedule(1, 24, 2)
+    fixed_lead.max_lead = 2  # the old behaviour: never moves
+    assert not any(_merged_run(fixed_lead, need=5, steps=2400)[5:])
+    sched = AlignedSchedule(1, 24, 2)
+    made = _merged_run(sched, need=5, steps=2400)
+    assert sched.lead == 6 and sched.timing["lead"] == 6  # need + the adoption's step
+    # tries of one step less come back late and are made ever more rarely
+    assert sum(made[-60:]) >= 58 and sched.patience > 4
+    assert sched.timing["late"] + sched.timing["on_time"] == len(made) - 1  # the first adoption: no send judged
+    # never below τ, never above H - 1 (a send right after the adoption)
+    fast = AlignedSchedule(1, 24, 2)
+    _merged_run(fast, need=0, steps=2400)
+    assert fast.lead == 2
+    slow = AlignedSchedule(1, 24, 2)
+    _merged_run(slow, need=40, steps=2400)
+    assert slow.lead == 23
+
+
+@pytest.mark.unit
+def test_the_aligned_lead_rises_once_for_the_sends_of_one_lead_and_not_on_unknowns():
+    sched = AlignedSchedule(4, 24, 2)
+    for p in range(4):
+        sched.adopted(p, 1)
+    for step in range(2, 30):
+        sched.due(step)  # every fragment sent once, timed with lead 2
+    for p in range(4):
+        sched.adopted(p, 30, -1)  # all four missed their merges
+    assert sched.lead == 3 and sched.timing["late"] == 4
+    sched.adopted(0, 60, None)  # a full global over skipped versions: nothing to judge
+    assert sched.timing["late"] + sched.timing["on_time"] == 4
+
+
 @pytest.mark.unit
 def test_aligned_schedule_sends_between_every_half_period_and_every_two_periods():
     """Merges (or forged globals) at every step cannot make a learner flood the bucket."""

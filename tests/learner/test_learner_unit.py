@@ -17,6 +17,7 @@ from ddiloco_geo.core.clocks import VectorClock
 from ddiloco_geo.core.model import embedding_rule
 from ddiloco_geo.core.signing import run_verifier, signer_for, syncer_keys
 from ddiloco_geo.learner import Learner, Outgoing, Uploader
+from ddiloco_geo.learner.presence import status_record
 from ddiloco_geo.learner.schedule import lr_schedule
 from ddiloco_geo.syncer import Syncer
 from tests.service.conftest import tiny_run  # noqa: F401  (fixture)
@@ -588,3 +589,58 @@ def test_aligned_sends_keep_learners_of_different_speeds_in_step_with_the_merges
 
     fixed, aligned = out_of_step("fixed"), out_of_step("aligned")
     assert 0 < aligned < 0.6 * fixed, (fixed, aligned)
+
+
+@pytest.mark.parametrize("update_codec", ["int4", "none"])
+def test_an_adoption_says_whether_its_merge_took_the_learners_send(tiny_run, update_codec):
+    """The aligned send lead's feedback: the poller reports this learner's newest step in the merges
+    an adoption holds (-1: none took its delta, from update objects or from a global one version on;
+    None over skipped versions read as a full global), and the learner's lead grows after a send that
+    missed its merge. Its status shows the lead and how its sends fared."""
+    import asyncio
+
+    run = tiny_run(**{"syncer.grace_gamma": 0.0, "syncer.merge_spacing": 0.0, "syncer.update_codec": update_codec})
+    syncer = run.syncer()
+    learner = _learner(run)
+    P = run.spec.plan.num_fragments
+    sent: dict[int, int] = {}
+    while len(sent) < P:  # the fixed schedule until the first merges: every fragment sent once
+        before = list(learner.last_sent_step)
+        learner.step_once()
+        sent.update({p: learner.step for p in range(P) if learner.last_sent_step[p] != before[p]})
+    asyncio.run(syncer.poll_once())
+    assert syncer.merge_ready() == P
+    learner.poller.poll_once()
+    inbox = learner.poller.take()
+    assert {p: entry[3] for p, entry in inbox.items()} == sent
+    learner.adopt(inbox)  # the first adoption of each fragment: nothing judged yet
+    assert learner.schedule.timing == {"lead": run.spec.overlap, "on_time": 0, "late": 0}
+
+    p = 0  # a merge of p (another learner's delta) is published just before this learner sends p again
+    while learner.step + 1 < learner.schedule.next_due[p]:
+        learner.step_once()
+    run.write_delta("other", p, base_version=1)
+    asyncio.run(syncer.poll_once())
+    assert syncer.merge_ready() >= 1
+    learner.step_once()
+    assert learner.last_sent_step[p] == learner.step
+    learner.poller.poll_once()
+    inbox = learner.poller.take()
+    assert inbox[p][3] == -1  # the merge did not take the learner's send
+    learner.adopt(inbox)
+    assert learner.schedule.timing["late"] == 1 and learner.schedule.lead == run.spec.overlap + 1
+    record = status_record(learner)
+    assert record["send_timing"] == learner.schedule.timing and record["send_timing"]["late"] == 1
+    clean = protocol.verified.clean_learner_record(json.loads(json.dumps(record, default=str)))
+    assert clean["send_timing"] == record["send_timing"]
+    assert protocol.verified.clean_learner_record({"send_timing": {"lead": "x", "late": -1}})["send_timing"] == \
+        {"lead": None, "on_time": None, "late": None}
+
+    # two versions on, read as a full global (no update objects to chain, or too far): not known
+    if update_codec == "none":
+        for _ in range(2):
+            run.write_delta("other", 1, base_version=1)
+            asyncio.run(syncer.poll_once())
+            assert syncer.merge_ready() >= 1
+        learner.poller.poll_once()
+        assert learner.poller.take()[1][3] is None

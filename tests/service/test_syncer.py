@@ -454,6 +454,40 @@ def test_merge_spacing_keeps_one_merge_per_fragment_period(tiny_run):
     assert rec["contributors"] == 2  # b and c gathered into one merge
 
 
+def test_the_grace_window_runs_from_when_the_round_opens(tiny_run):
+    """A fragment's next round opens a merge spacing after its last merge. A delta that arrived before
+    that waits for the opening, and the grace window counts from the opening, so a straggler just
+    after it still joins; ξ_quorum is 0 when the learners were there before the round opened. (Until
+    2026-12-04 the window counted from the early delta's arrival, had passed when the round opened,
+    and ξ_quorum counted the wait for the spacing, which took the slack, and the window, to 0.)"""
+    run = tiny_run(**{"syncer.grace_gamma": 0.5, "syncer.merge_spacing": 1.0})
+    syncer = run.syncer()
+    syncer.step_times.update("a", 1.0)  # H = 4 steps of 1 s: a round per 4 s; tau = 2: a 1 s window
+    run.write_delta("a", 1)
+    poll(syncer)
+    run.clock.t = 1.0
+    assert syncer.merge_ready() == 1  # the first round opens at its first delta: merged after the window
+    run.clock.t = 2.0
+    run.write_delta("a", 1, base_version=1)  # early for the next round, which opens at 5.0
+    poll(syncer)
+    run.clock.t = 5.01
+    assert syncer.merge_ready() == 0  # open, the window running
+    run.clock.t = 5.5
+    run.write_delta("b", 1, base_version=1)  # a straggler half a step after the opening
+    poll(syncer)
+    assert syncer.merge_ready() == 0
+    run.clock.t = 6.0
+    assert syncer.merge_ready() == 1
+    rec = protocol.read_header(run.store, layout.global_key(1, 2)).extra
+    assert rec["contributors"] == 2 and rec["grace_s"] == pytest.approx(1.0)
+    assert syncer.ema_quorum.get() == 0.0 and syncer.grace_s(syncer.fragments[1]) == pytest.approx(1.0)
+    # a round whose quorum comes late: the wait counts, and the window shrinks by it
+    run.clock.t = 10.5
+    run.write_delta("a", 1, base_version=2)  # the round opened at 10.0
+    poll(syncer)
+    assert syncer.merge_ready() == 0 and syncer.ema_quorum.get() == pytest.approx(0.2 * 0.5)
+
+
 def test_step_time_is_the_median_of_each_learners_own_and_forgets_the_gone():
     """ξ_step (merge spacing, grace) holds still when learners of different speeds send in turn, one
     learner cannot move it far, and a learner that stopped sending drops out of it."""
