@@ -489,20 +489,44 @@ def test_the_run_schedule_drops_learners_that_stopped_advancing():
 
     clock = RunClock("a", sync_every=10, max_steps=1000)
     for own in range(0, 101, 5):
-        pos = clock.position(own, {"b": own, "c": own})
+        pos = clock.position(own, {"a": own, "b": own, "c": own})
     assert pos == 100
-    # b and c stop at 100 (below a max_steps of 120, say); a keeps stepping
-    assert clock.position(125, {"b": 100, "c": 100}) == 100  # 25 steps: within three periods
-    assert clock.position(130, {"b": 100, "c": 100}) == 100
-    assert clock.position(131, {"b": 100, "c": 100}) == 131  # heard from 31 steps ago: dropped
+    # b and c stop at 100 (below a max_steps of 120, say); a keeps stepping, and its deltas are merged
+    assert clock.position(125, {"a": 125, "b": 100, "c": 100}) == 100  # 25 steps: within three periods
+    assert clock.position(130, {"a": 130, "b": 100, "c": 100}) == 100
+    assert clock.position(131, {"a": 131, "b": 100, "c": 100}) == 131  # heard from 31 steps ago: dropped
     # one comes back (restarted), the median counts it again
-    assert clock.position(140, {"b": 120, "c": 100}) == 130
+    assert clock.position(140, {"a": 140, "b": 120, "c": 100}) == 130
     # a slow learner that advances every 40 of our steps stays counted for three of its intervals
     slow = RunClock("a", sync_every=10, max_steps=1000)
     for own in range(0, 201, 40):
-        slow.position(own, {"s": own // 4})
-    assert slow.position(200 + 120, {"s": 50}) == (320 + 50) // 2
-    assert slow.position(200 + 121, {"s": 50}) == 321
+        slow.position(own, {"a": own, "s": own // 4})
+    assert slow.position(200 + 120, {"a": 320, "s": 50}) == (320 + 50) // 2
+    assert slow.position(200 + 121, {"a": 321, "s": 50}) == 321
+
+
+def test_the_run_schedule_keeps_its_peers_while_nothing_is_merged():
+    """Chaos seed 22: with the syncer down and its peers restarting, a learner heard from nobody,
+    its own deltas unmerged too, dropped its peers and finished the whole schedule alone. While its
+    own merged step does not advance either, nobody's silence says anything: the peers keep their
+    places (up to its own max_steps), and once merges resume they have a fresh window to show up."""
+    from ddiloco_geo.learner.schedule import RunClock
+
+    clock = RunClock("a", sync_every=10, max_steps=120)
+    for own in range(0, 31, 5):
+        clock.position(own, {"a": own, "b": own, "c": own})
+    for own in range(31, 110):  # the syncer is down: nothing new merged, a keeps stepping
+        assert clock.position(own, {"a": 30, "b": 30, "c": 30}) == 30
+    assert clock.position(110, {"a": 110, "b": 30, "c": 30}) == 30  # merges resume: b and c get a window
+    assert clock.position(139, {"a": 139, "b": 30, "c": 30}) == 30
+    assert clock.position(140, {"a": 140, "b": 30, "c": 30}) == 140  # not heard from since: dropped
+    # past its own max_steps a learner whose deltas are never merged stops holding: three periods on
+    # its peers drop out and it stops
+    alone = RunClock("a", sync_every=10, max_steps=120)
+    alone.position(0, {"a": 0, "b": 0})
+    assert alone.position(119, {"a": 0, "b": 0}) == 59
+    assert alone.position(149, {"a": 0, "b": 0}) == 74
+    assert alone.position(150, {"a": 0, "b": 0}) == 150
 
 
 def test_the_run_schedule_ends_when_the_mean_reaches_the_end_and_the_median_allows():
