@@ -205,10 +205,9 @@ class AlignedSchedule:
     right after the adoption; once for the sends of one lead, which all come back late within a
     period); after 4·P sends in a row that made their merge it tries one step less (not below τ),
     and a try that comes back late doubles the sends it waits before the next (up to 64·P), so a
-    lead that fits stays. What a delta needs
-    is the time from a merge to the learner's adoption of it (its poll interval, the download) plus
-    the upload and the syncer's intake, in steps: with short steps that is more than τ = 2, and most
-    deltas missed their merge and waited a whole period (2026-12-04, the chaos settings without
+    lead that fits stays. What a delta needs is the time from a merge to the learner's adoption of it
+    (its poll interval, the download) plus the upload and the syncer's intake, in steps: with short
+    steps that is more than τ = 2, and most deltas missed their merge and waited a whole period (2026-12-04, the chaos settings without
     faults, three runs each: final loss 2.641 on the moto S3 server, 2.526 on a local directory;
     with this lead, and the grace window counted from the round's opening, 2.500 and 2.463).
 

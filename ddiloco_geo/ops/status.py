@@ -60,6 +60,7 @@ def collect(store: Store, egress_usd_per_gb: float = 0.02, verifier=None) -> dic
             "step": hb.get("step"), "tokens": hb.get("tokens"), "tokens_per_s": hb.get("tokens_per_s"),
             "loss": hb.get("loss"), "deltas_sent": (hb.get("uploads") or {}).get("deltas_sent"),
             "upload_queue": hb.get("upload_queue"), "quarantined": name in quarantined,
+            "send_timing": hb.get("send_timing"),  # the aligned send lead; sends on time and late
             "signed": None if verifier is None or not hb else True,
             "bytes_up": int(storage.get("bytes_up", 0)), "bytes_down": int(storage.get("bytes_down", 0)),
             "rejected": len(store.list(f"{layout.SYNCER}rejected/{name}/")),

@@ -89,6 +89,10 @@ def test_local_directory_default_and_status_with_signed_objects(tmp_path):
     assert {l["learner"] for l in snap["learners"]} == {"learner-0", "learner-1"}
     assert all(l["state"] == "exited" for l in snap["learners"])
     assert all(l["signed"] is True for l in snap["learners"])  # heartbeats verify against their learner
+    for l in snap["learners"]:  # the aligned send lead and how the merges judged the sends
+        t = l["send_timing"]
+        assert t["lead"] >= 2 and t["on_time"] + t["late"] > 0, l
+        assert t == summary["learners"][l["learner"]]["send_timing"]
     assert snap["syncers"][0]["counters"]["deltas_merged"] > 0
     assert snap["totals"]["tokens"] == summary["tokens_total"]
     assert snap["totals"]["learner_bytes"] > 0 and snap["totals"]["estimated_egress_usd"] > 0
