@@ -286,10 +286,7 @@ class Intake:
         if isinstance(step_s, (int, float)) and 0 < step_s < 3600:
             self.step_times.update(dk.learner, float(step_s))
         self.strikes[dk.learner] = 0
-        now = self.now()
-        if not state.pending:
-            state.round_open_s = now
-        state.pending.append(PendingDelta(key, dk.learner, dk.seq, header, pseudo_grad, now, step_norm))
+        state.pending.append(PendingDelta(key, dk.learner, dk.seq, header, pseudo_grad, self.now(), step_norm))
 
     def _validate(self, dk: layout.DeltaKey, header: codec.Header, pg: dict[str, torch.Tensor],
                   state: FragmentState) -> tuple[str | None, str, float]:

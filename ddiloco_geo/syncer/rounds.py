@@ -2,8 +2,7 @@
 
 Decoupled DiLoCo (arXiv 2604.21428), per fragment p:
 
-1. **quorum**: at least K distinct learners have a pending delta (ξ_quorum = time from the first
-   pending delta to quorum, EMA-smoothed);
+1. **quorum**: at least K distinct learners have a pending delta;
 2. **merge spacing**: a round opens at most once per ``merge_spacing`` fragment periods
    (H · ξ_step) after the fragment's last merge (the first round: at its first delta). With K = 1
    and learners whose step counts drift apart, merging each arrival alone steps the outer Nesterov
@@ -70,10 +69,10 @@ class RoundPolicy:
         if len(first) < self.quorum:
             return False
         if state.quorum_s is None:
-            reached = sorted(first.values())[self.quorum - 1]
-            opens = reached if state.round_open_s is None else state.round_open_s
-            if state.last_merge_s is not None:  # the round opens when merge spacing allows the next merge
-                opens = state.last_merge_s + self.merge_spacing * self.sync_every * self.step_times.get()
+            arrivals = sorted(first.values())
+            reached = arrivals[self.quorum - 1]
+            opens = arrivals[0] if state.last_merge_s is None else \
+                state.last_merge_s + self.merge_spacing * self.sync_every * self.step_times.get()  # spacing allows a merge
             state.quorum_s = max(reached, opens)  # the grace window runs from here
             waited = max(0.0, reached - opens)
             self.ema_quorum.update(waited)

@@ -345,7 +345,6 @@ class Syncer:
         if is_merge:
             state.last_merge_s = self.now()
             self._advance_index()
-        state.round_open_s = min((d.arrived_s for d in state.pending), default=None)
         self.counters["versions_published"] += 1
         if is_merge:
             log.info("published fragment=%d version=%d contributors=%d weights=%s grace_s=%.3f",

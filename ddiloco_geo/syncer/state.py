@@ -52,7 +52,6 @@ class FragmentState:
     pending: list[PendingDelta] = field(default_factory=list)
     history: OrderedDict = field(default_factory=OrderedDict)  # version -> params
     norms: dict = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=8)))  # learner -> per-step norms
-    round_open_s: float | None = None
     quorum_s: float | None = None
     last_merge_s: float | None = None
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback of update objects
