@@ -173,8 +173,7 @@ class SyncerConfig(Section):
     sparse_average: Literal["auto", "dense", "per_index"] = Field(
         "auto", description="how deltas are averaged when robust='none': 'dense' (token-weighted RDA, the mean for "
         "embeddings); 'per_index': each coordinate over the learners that sent a non-zero value there, token-weighted "
-        "(SparseLoCo's aggregation, for sparse deltas); 'auto': per_index in a run.codec=topk run, dense otherwise. "
-        "Recorded in each merge record")
+        "(SparseLoCo's aggregation, for sparse deltas); 'auto': per_index in a run.codec=topk run, dense otherwise. Recorded in each merge record")
     clip_ratio: float | None = Field(4.0, gt=1, description="merge guard: a contributor whose per-step norm exceeds "
                                      "this multiple of the fragment's reference is scaled down to it (recorded as 'clip' "
                                      "in the merge record, counted in status); None turns the guard off")
@@ -186,6 +185,8 @@ class SyncerConfig(Section):
         "(its exit flush when its schedule ends) averages the learners' models: the token-weighted mean, lr 1, momentum kept "
         "(recorded as 'final' in the merge record): at the end of the run the outer momentum would carry the global past where "
         "the learners are; 'outer': the usual outer step")
+    resends: Literal["share", "pull"] = Field("share", description="with anchoring='base', a delta sent again on the base of "
+        "the learner's merged one: 'share' applies its steps beyond the merged delta's (recorded as 'resent' and 'share'); 'pull' anchors it at the current global")
     max_seq_ahead: int = Field(100_000, ge=1, description="a delta key more than this many sequence numbers past the "
                                "learner's last provable one is rejected unread (seq_ahead): an honest learner skips a "
                                "number only when its key is taken, so one foreign object cannot push its numbering away")
@@ -193,8 +194,7 @@ class SyncerConfig(Section):
     quarantine_after: int = Field(20, ge=1, description="rejections in a row after which a learner is quarantined (ignored until an operator deletes syncer/quarantine/<id>.json)")
     max_staleness: int = Field(8, ge=0, description="reject deltas whose base version is older than current - max_staleness")
     max_norm_ratio: float = Field(50.0, gt=1, description="reject a delta whose per-step norm exceeds this multiple of the fragment's running median")
-    update_codec: Literal["none", Codec] = Field(
-        "int4", description="codec of the per-version update objects learners download ('none': learners fetch full fp32 globals)")
+    update_codec: Literal["none", Codec] = Field("int4", description="codec of the per-version update objects learners download ('none': learners fetch full fp32 globals)")
     poll_s: float = Field(0.2, gt=0)
     fetch_concurrency: int = Field(8, ge=1)
     shard: str = Field("0/1", description="'i/S': this syncer owns fragments p with p % S == i")

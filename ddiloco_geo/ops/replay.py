@@ -12,7 +12,9 @@ syncer itself had in hand when it published v and runs the syncer's own pure fun
   versions, counters, weights); every merged delta (fetched and decoded like the syncer does);
   every base version's params. The recomputed params must equal global v's tensors
   (``torch.equal``), the recomputed momentum/step count/residual must equal v's state object, the
-  recorded weights must equal ``merge.token_weight`` of the deltas' counters, and when an update
+  recorded weights must equal ``merge.token_weight`` of the deltas' counters (a resend merged by its
+  share, ``syncer.resends``: of its counters beyond the merged delta's, which v−1's state object
+  holds and the entry's ``resent`` must name), and when an update
   object ``u`` exists its decoded tensors must equal the recomputed quantized change. The update
   object's header names the codec and block size; without one (``update_codec = "none"``, or a
   syncer that crashed between writing the global and its update object) replay tries "none", then
@@ -68,6 +70,8 @@ from ddiloco_geo.core.model import build_model, embedding_rule
 from ddiloco_geo.core.outer import MOMENTUM_PREFIX, OuterOptimizer, merge_and_step
 from ddiloco_geo.protocol.publish import RESIDUAL, compress_update, outer_state_from_wire
 from ddiloco_geo.storage import Store
+from ddiloco_geo.syncer.rounds import resend_share
+from ddiloco_geo.syncer.state import state_counts
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +244,8 @@ class Replayer:
             raise Divergence(p, v, "record", "merge record lists no merged delta")
         expect = self.spec.plan.expect(p)
         anchored, weights = [], []
+        merged_base = {str(k): int(x) for k, x in state.header.extra.get("merged_base", {}).items()}
+        merged_counts = state_counts(state.header.extra)
         for e in entries:
             key = e.get("key", "")
             d_header, pg = self._read(p, v, f"delta {key}", lambda: codec.decode(
@@ -250,7 +256,15 @@ class Replayer:
                                                      f"but the merge record says {e.get(field_)}")
             if d_header.fragment != p:
                 raise Divergence(p, v, "record", f"delta {key} is for fragment {d_header.fragment}")
-            w = merge.token_weight(d_header.num_tokens, d_header.num_steps)
+            steps, tokens = d_header.num_steps, d_header.num_tokens
+            if "resent" in e:  # syncer.resends = "share": the part beyond the learner's merged delta on that base
+                learner = e.get("learner") if isinstance(e.get("learner"), str) else ""
+                resent = resend_share(merged_base, merged_counts, learner, d_header)
+                if resent is None or e["resent"] != list(merged_counts[learner]) or e.get("share") != resent[0]:
+                    raise Divergence(p, v, "record", f"delta {key}: recorded resent={e['resent']!r} share={e.get('share')!r}, "
+                                                     f"but version {v - 1}'s state gives {resent!r}")
+                pg, (steps, tokens) = {n: t * resent[0] for n, t in pg.items()}, resent[1:]
+            w = merge.token_weight(tokens, steps)
             if w != e.get("weight"):
                 raise Divergence(p, v, "weight", f"delta {key}: recorded weight {e.get('weight')!r}, recomputed {w!r}")
             base = self._params_at(p, v, d_header.base_version, cache)

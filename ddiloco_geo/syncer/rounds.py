@@ -19,7 +19,8 @@ Decoupled DiLoCo (arXiv 2604.21428), per fragment p:
 
 A merge (:func:`build_merge`): of several deltas of one learner on the same base the newest
 supersedes the older (deltas are cumulative since the learner adopted that base); each delta is
-**anchored** at the current global, Δ_m = (Θ_current − Θ_base) + pseudo_grad_m; weights are
+**anchored** (:func:`anchoring_of`: applied as progress, or pulled, Δ_m = (Θ_current − Θ_base) +
+pseudo_grad_m; a resend on a merged base by its new part, :func:`resend_share`); weights are
 w = tokens · (tokens / steps); each entry of the merge record also carries the learner's step (its
 schedule position: a joining learner reads the run's progress from it); token-weighted RDA (weighted mean for embeddings) or a robust
 average; then one outer step (:func:`ddiloco_geo.core.outer.merge_and_step`). Pure: no I/O.
@@ -119,13 +120,41 @@ def anchoring_of(state: FragmentState, d: PendingDelta, anchoring: str) -> str:
     return anchoring
 
 
-def after_merge(state: FragmentState, entries: list[dict[str, Any]]) -> tuple[dict[str, int], frozenset[str]]:
+def after_merge(state: FragmentState, entries: list[dict[str, Any]]
+                ) -> tuple[dict[str, int], dict[str, tuple[int, int]], frozenset[str]]:
     """What a merge of ``entries`` leaves of the fragment's per-learner bookkeeping: each learner's
-    newest merged base version, and the learners whose final mark has been honored."""
-    merged_base = dict(state.merged_base)
+    newest merged base version, the counters (steps, tokens) of its newest merged delta on that base
+    (what a resend on the same base already had merged: :func:`resend_share`), and the learners whose
+    final mark has been honored."""
+    merged_base, merged_counts = dict(state.merged_base), dict(state.merged_counts)
     for e in entries:
-        merged_base[e["learner"]] = max(e["base_version"], merged_base.get(e["learner"], -1))
-    return merged_base, state.finalized | {e["learner"] for e in entries if e.get("final") is True}
+        if e["base_version"] >= merged_base.get(e["learner"], -1):
+            merged_base[e["learner"]] = e["base_version"]
+            merged_counts[e["learner"]] = (e["num_steps"], e["num_tokens"])
+    return merged_base, merged_counts, state.finalized | {e["learner"] for e in entries if e.get("final") is True}
+
+
+def resend_share(merged_base: dict[str, int], merged_counts: dict[str, tuple[int, int]], learner: str,
+                 header) -> tuple[float, int, int] | None:
+    """A resend's new part, for ``syncer.resends = "share"``: (share, steps, tokens), or None.
+
+    A delta is cumulative since its base, so one sent again on the base of the learner's newest merged
+    delta (before the learner adopted the version holding that delta) carries the merged steps again.
+    Anchored at the current global (a pull), it counted all its tokens and moved the global toward the
+    learner's model, taking back by its weight what the other learners had merged since that base
+    (a learner behind a slow link, or the only one running through an outage, did this at most merges).
+    Its new part is the steps beyond the merged delta's: it is applied as progress, the delta scaled
+    by ``share = new steps / its steps`` (the new steps taken along the delta's mean direction), with
+    the weight of the new steps and tokens only. None when this is not such a resend, its counters are
+    not above the merged delta's, or those are not known (a state from before this setting): it is
+    then pulled."""
+    prev = merged_counts.get(learner)
+    if prev is None or header.base_version != merged_base.get(learner):
+        return None
+    steps, tokens = header.num_steps - prev[0], header.num_tokens - prev[1]
+    if steps <= 0 or tokens <= 0:
+        return None
+    return steps / header.num_steps, steps, tokens
 
 
 def is_increment(d: PendingDelta) -> bool:
@@ -185,7 +214,7 @@ def final_share(state: FragmentState, contributors: list[PendingDelta]) -> float
 def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: dict[int, dict[str, torch.Tensor]],
                 *, is_embedding: Callable[[str], bool], outer_kwargs: dict[str, Any], robust: str,
                 trim_ratio: float, sparse: str = "dense", anchoring: str = "current",
-                clip_ratio: float | None = None, final_merge: str = "outer") -> Merge | None:
+                clip_ratio: float | None = None, final_merge: str = "outer", resends: str = "pull") -> Merge | None:
     """Anchor, weigh, merge and step; None when no contributor carries weight.
 
     ``bases`` maps each contributor's base version to that global's parameters. ``anchoring``:
@@ -198,7 +227,9 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     (:func:`final_marks`, whose entries record ``final``; ``final`` in
     :func:`~ddiloco_geo.core.outer.merge_and_step`, by :func:`final_share`): at the end of the run
     the outer momentum would carry the global past where the learners are; ``outer`` steps every
-    merge alike.
+    merge alike. ``resends``: ``share`` applies a resend's new part only (:func:`resend_share`,
+    recorded per entry as ``resent``, the merged delta's counters, and ``share``); ``pull`` anchors
+    it at the current global.
     """
     anchored, weights, entries = [], [], []
     marks = final_marks(state, contributors) if final_merge == "average" else set()
@@ -206,13 +237,20 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
         factor = clip_factor(state, d, clip_ratio)
         pg = d.pseudo_grad if factor == 1.0 else {n: t * factor for n, t in d.pseudo_grad.items()}
         how = anchoring_of(state, d, anchoring)
+        steps, tokens, resent = d.header.num_steps, d.header.num_tokens, None
+        if how == "current" and anchoring == "base" and resends == "share":
+            resent = resend_share(state.merged_base, state.merged_counts, d.learner, d.header)
+        if resent is not None:
+            how, (share, steps, tokens) = "base", resent
+            pg = {n: t * share for n, t in pg.items()}
         anchored.append(pg if how == "base" else anchor(state.params, bases[d.header.base_version], pg))
-        w = merge.token_weight(d.header.num_tokens, d.header.num_steps)
+        w = merge.token_weight(tokens, steps)
         weights.append(w)
         entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
                         "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w,
                         "step": learner_step(d.header), **({"clip": factor} if factor < 1.0 else {}),
                         **({"anchor": how} if how != anchoring else {}),
+                        **({"resent": list(state.merged_counts[d.learner]), "share": resent[0]} if resent else {}),
                         **({"final": True} if d.learner in marks else {})})
     if not anchored or sum(weights) <= 0:
         return None

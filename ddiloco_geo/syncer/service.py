@@ -85,7 +85,7 @@ class Syncer:
         robust: str = "none",
         trim_ratio: float = 0.25,
         sparse_average: str = "auto",
-        anchoring: str = "current", final_merge: str = "outer",
+        anchoring: str = "current", final_merge: str = "outer", resends: str = "pull",
         clip_ratio: float | None = 4.0,
         quarantine_after: int = 20,
         max_seq_ahead: int = 100_000,
@@ -101,7 +101,8 @@ class Syncer:
         self.poll_s, self.idle_exit_s, self.drain_timeout_s = poll_s, idle_exit_s, drain_timeout_s
         self.shard_index, self.num_shards = (int(x) for x in shard.split("/"))
         self.is_embedding, self.update_codec = is_embedding, update_codec
-        self.robust, self.trim_ratio, self.anchoring, self.clip_ratio, self.final_merge = robust, trim_ratio, anchoring, clip_ratio, final_merge
+        self.robust, self.trim_ratio, self.anchoring, self.clip_ratio, self.final_merge, self.resends = \
+            robust, trim_ratio, anchoring, clip_ratio, final_merge, resends
         self.sparse_average = ("per_index" if spec.codec == "topk" else "dense") if sparse_average == "auto" else sparse_average
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.now = now
@@ -240,7 +241,8 @@ class Syncer:
             consumed[d.learner] = max(d.seq, consumed.get(d.learner, -1))
         merged = build_merge(state, contributors, bases, is_embedding=self.is_embedding,
                              outer_kwargs=self.outer_kwargs, robust=self.robust, trim_ratio=self.trim_ratio,
-                             sparse=self.sparse_average, anchoring=self.anchoring, clip_ratio=self.clip_ratio, final_merge=self.final_merge)
+                             sparse=self.sparse_average, anchoring=self.anchoring, clip_ratio=self.clip_ratio, final_merge=self.final_merge,
+                             resends=self.resends)
         if merged is None:
             state.pending.clear()
             state.consumed = consumed
@@ -316,12 +318,12 @@ class Syncer:
                                                           self.update_codec, signer=self.signer,
                                                           **self.spec.codec_args(self.update_codec))
         tensors, outer_steps = outer_state_to_wire(outer)
-        merged_base, finalized = after_merge(state, record["merged"]) if is_merge else (state.merged_base, state.finalized)
+        merged_base, counts, finalized = after_merge(state, record["merged"]) if is_merge else (state.merged_base, state.merged_counts, state.finalized)
         tensors.update({RESIDUAL + n: t for n, t in residual.items()})
         state_key = commit_version(
             self.store, run_id=self.spec.run_id, fragment=p, version=version, params=published,
             state_tensors=tensors, state_extra={"consumed": consumed, "outer_num_steps": outer_steps,
-                                                "merged_base": merged_base, "finalized": sorted(finalized)},
+                                                "merged_base": merged_base, "merged_counts": counts, "finalized": sorted(finalized)},
             record=record, clock=ticked, signer=self.signer,
             after_commit={layout.global_update_key(p, version): update} if update is not None else None,
             advance_index=False, verifier=self.verifier,
@@ -339,7 +341,7 @@ class Syncer:
         state.forged_skips = 0
         state.remember(version, published)
         state.version, state.params, state.outer, state.clock = version, published, outer, ticked
-        state.consumed, state.residual, state.merged_base, state.finalized = consumed, residual, merged_base, finalized
+        state.consumed, state.residual, state.finalized, state.merged_base, state.merged_counts = consumed, residual, finalized, merged_base, counts
         state.pending = [d for d in state.pending if d.seq > consumed.get(d.learner, -1)]
         state.quorum_s = None
         if is_merge:

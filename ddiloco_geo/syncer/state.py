@@ -48,6 +48,7 @@ class FragmentState:
     clock: VectorClock = field(default_factory=VectorClock)
     consumed: dict[str, int] = field(default_factory=dict)  # learner -> highest seq accounted for
     merged_base: dict[str, int] = field(default_factory=dict)  # learner -> base version of its newest merged delta
+    merged_counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # learner -> that delta's (steps, tokens)
     finalized: frozenset[str] = frozenset()  # learners whose final mark a merge has honored (rounds.final_marks)
     pending: list[PendingDelta] = field(default_factory=list)
     history: OrderedDict = field(default_factory=OrderedDict)  # version -> params
@@ -123,6 +124,7 @@ def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: 
     outer = OuterOptimizer(**outer_kwargs)
     consumed: dict[str, int] = {}
     merged_base: dict[str, int] = {}
+    merged_counts: dict[str, tuple[int, int]] = {}
     finalized: frozenset[str] = frozenset()
     residual: dict[str, torch.Tensor] = {}
     state_key = header.extra.get("state_key")
@@ -135,9 +137,20 @@ def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: 
             {k: v for k, v in st_tensors.items() if not k.startswith(RESIDUAL)}, st_header))
         consumed = {str(k): int(v) for k, v in st_header.extra.get("consumed", {}).items()}
         merged_base = {str(k): int(v) for k, v in st_header.extra.get("merged_base", {}).items()}
+        merged_counts = state_counts(st_header.extra)
         marks = st_header.extra.get("finalized")
         finalized = frozenset(x for x in marks if isinstance(x, str)) if isinstance(marks, list) else frozenset()
     state = FragmentState(fragment, version, params, outer, clock=header.clock, consumed=consumed,
-                          merged_base=merged_base, finalized=finalized, residual=residual)
+                          merged_base=merged_base, merged_counts=merged_counts, finalized=finalized, residual=residual)
     state.remember(version, params)
     return state, state_key
+
+
+def state_counts(extra: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """A state object's ``merged_counts`` (learner -> [steps, tokens] of its newest merged delta); a
+    malformed entry is left out (the learner's next resend is then pulled, as before the setting)."""
+    counts = extra.get("merged_counts")
+    if not isinstance(counts, dict):
+        return {}
+    return {str(k): (v[0], v[1]) for k, v in counts.items()
+            if isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 0 for x in v)}

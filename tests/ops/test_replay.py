@@ -253,6 +253,32 @@ def test_a_later_final_merge_joins_the_average_with_its_share_and_replays(histor
         assert (d["fragment"], d["version"], d["what"]) == (0, v + 2, "record") and "final_share" in d["detail"]
 
 
+def test_replay_reproduces_a_resend_merged_by_its_share_and_checks_the_record(history):
+    # syncer.resends=share: a's second delta on the base of its merged one is applied by its new
+    # steps' share; replay takes the merged delta's counters from the version before's state object
+    run, syncer = history(rounds=3)
+    v = syncer.fragments[0].version
+    base = syncer.fragments[0].merged_base["a"]
+    run.write_delta("a", 0, base_version=base, steps=10, tokens=640)  # its merged delta had 4 steps, 256 tokens
+    run.write_delta("b", 0, base_version=v, steps=3, tokens=300)
+    assert poll_and_merge(syncer) == 1
+    entry = next(e for e in protocol.read_header(run.store, layout.global_key(0, v + 1)).extra["merged"] if e["learner"] == "a")
+    assert entry["resent"] == [4, 256] and entry["share"] == pytest.approx(0.6)
+    merge_rounds(run, syncer, 1, start=3)
+    result = replay(run.store, run.spec, outer_kwargs=OUTER)
+    assert result["ok"] and result["bitwise"], result["first_divergence"]
+
+    def lie(field, value):
+        def change(r):
+            merged = [dict(e, **{field: value}) if e["learner"] == "a" else e for e in r["merged"]]
+            return {**r, "merged": merged}
+        return with_record(run.store, run.spec, {(0, v + 1): change})
+
+    for field, value in (("share", 0.5), ("resent", [3, 256]), ("resent", "4,256")):
+        d = replay(lie(field, value), run.spec, outer_kwargs=OUTER)["first_divergence"]
+        assert (d["fragment"], d["version"], d["what"]) == (0, v + 1, "record") and "resent" in d["detail"]
+
+
 def test_replay_without_an_update_object_tries_the_configured_codec(history):
     """A syncer that crashed between the global and its update object leaves no codec on record."""
     run, _ = history(rounds=3)

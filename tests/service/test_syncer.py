@@ -132,7 +132,7 @@ def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_bas
     # holding its first delta yet) carries that first delta inside the second one, so the syncer
     # anchors it at the current global instead. The rule survives a syncer restart.
     run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
-                      "syncer.update_codec": "fp32", "syncer.anchoring": "base"})
+                      "syncer.update_codec": "fp32", "syncer.anchoring": "base", "syncer.resends": "pull"})
     syncer = run.syncer()
     p = 0
     base0 = run.fragment_params(p, 0)
@@ -181,6 +181,49 @@ def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_bas
     poll(syncer)
     syncer.merge_ready()
     assert protocol.read_header(run.store, layout.global_key(p, 6)).extra["merged"][0]["anchor"] == "current"
+
+
+def test_a_resend_on_a_merged_base_applies_only_its_new_steps(tiny_run):
+    # syncer.resends=share (the default): a learner that sends again on the base of its merged delta
+    # carries that delta's steps again; its steps beyond them are applied as progress (the delta
+    # scaled by new steps / its steps) with the new steps' weight, and nothing the other learners
+    # merged since is pulled back. The merged delta's counters survive a syncer restart.
+    run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
+                      "syncer.update_codec": "fp32", "syncer.anchoring": "base"})
+    syncer = run.syncer()
+    p = 0
+    run.write_delta("a", p, pg_const(run, p, 0.5), steps=4, tokens=256)  # merged into v1
+    poll(syncer)
+    syncer.merge_ready()
+    run.write_delta("b", p, pg_const(run, p, -0.25), steps=4, tokens=256)  # b's progress, merged into v2
+    poll(syncer)
+    syncer.merge_ready()
+    v2 = run.fragment_params(p, 2)
+    syncer = run.syncer()
+    assert syncer.fragments[p].merged_counts == {"a": (4, 256), "b": (4, 256)}
+    run.write_delta("a", p, pg_const(run, p, 0.75), steps=12, tokens=768)  # a again on base 0: 8 new steps
+    poll(syncer)
+    syncer.merge_ready()
+    v3 = run.fragment_params(p, 3)
+    for n in v3:  # v2 - 0.75 * 8/12; a pull would have given base0 - 0.75, undoing b's +0.25
+        torch.testing.assert_close(v3[n], v2[n] - 0.5, rtol=1e-6, atol=1e-6)
+    entry = protocol.read_header(run.store, layout.global_key(p, 3)).extra["merged"][0]
+    assert entry["resent"] == [4, 256] and entry["share"] == pytest.approx(8 / 12) and "anchor" not in entry
+    assert entry["weight"] == merge.token_weight(512, 8) and entry["num_steps"] == 12
+    assert syncer.fragments[p].merged_counts["a"] == (12, 768)
+    # nothing beyond the merged delta's steps (a header that counts back): pulled, as before the setting
+    run.write_delta("a", p, pg_const(run, p, 0.25), steps=12, tokens=768)
+    poll(syncer)
+    syncer.merge_ready()
+    entry = protocol.read_header(run.store, layout.global_key(p, 4)).extra["merged"][0]
+    assert entry["anchor"] == "current" and "resent" not in entry
+    # a state object without the counters (written before the setting): a resend is pulled
+    state = syncer.fragments[p]
+    state.merged_counts = {}
+    run.write_delta("a", p, pg_const(run, p, 0.125), steps=16, tokens=1024)
+    poll(syncer)
+    syncer.merge_ready()
+    assert protocol.read_header(run.store, layout.global_key(p, 5)).extra["merged"][0]["anchor"] == "current"
 
 
 def test_increments_all_contribute_and_are_applied_as_progress(tiny_run):
