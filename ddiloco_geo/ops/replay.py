@@ -256,20 +256,22 @@ class Replayer:
                                                      f"but the merge record says {e.get(field_)}")
             if d_header.fragment != p:
                 raise Divergence(p, v, "record", f"delta {key} is for fragment {d_header.fragment}")
-            steps, tokens = d_header.num_steps, d_header.num_tokens
+            steps, tokens, resent = d_header.num_steps, d_header.num_tokens, None
             if "resent" in e:  # syncer.resends = "share": the part beyond the learner's merged delta on that base
                 learner = e.get("learner") if isinstance(e.get("learner"), str) else ""
                 resent = resend_share(merged_base, merged_counts, learner, d_header)
                 if resent is None or e["resent"] != list(merged_counts[learner]) or e.get("share") != resent[0]:
                     raise Divergence(p, v, "record", f"delta {key}: recorded resent={e['resent']!r} share={e.get('share')!r}, "
                                                      f"but version {v - 1}'s state gives {resent!r}")
-                pg, (steps, tokens) = {n: t * resent[0] for n, t in pg.items()}, resent[1:]
+                steps, tokens = resent[1:]
             w = merge.token_weight(tokens, steps)
             if w != e.get("weight"):
                 raise Divergence(p, v, "weight", f"delta {key}: recorded weight {e.get('weight')!r}, recomputed {w!r}")
             base = self._params_at(p, v, d_header.base_version, cache)
             if isinstance(e.get("clip"), float):  # the merge guard scaled this contributor down
                 pg = {n: t * e["clip"] for n, t in pg.items()}
+            if resent is not None:  # then its share (the syncer's order: the same bits)
+                pg = {n: t * resent[0] for n, t in pg.items()}
             how = e.get("anchor", rec.get("anchoring"))  # an entry names its own when it differs from the run's
             anchored.append(pg if how == "base" else anchor(params, base, pg))
             weights.append(w)

@@ -279,6 +279,21 @@ def test_replay_reproduces_a_resend_merged_by_its_share_and_checks_the_record(hi
         assert (d["fragment"], d["version"], d["what"]) == (0, v + 1, "record") and "resent" in d["detail"]
 
 
+def test_replay_reproduces_a_resend_the_merge_guard_also_scaled(history):
+    # clipped and merged by its share: replay scales in the syncer's order, bit for bit
+    run, syncer = history(rounds=4)
+    v = syncer.fragments[0].version
+    base = syncer.fragments[0].merged_base["a"]
+    big = {n: 0.4 * torch.randn(s) for n, s in run.spec.plan.expect(0).items()}  # 16x the per-step norm: clipped, not rejected
+    run.write_delta("a", 0, big, base_version=base, steps=10, tokens=640)
+    run.write_delta("b", 0, base_version=v, steps=3, tokens=300)
+    assert poll_and_merge(syncer) == 1
+    entry = next(e for e in protocol.read_header(run.store, layout.global_key(0, v + 1)).extra["merged"] if e["learner"] == "a")
+    assert entry["clip"] < 1.0 and entry["share"] == pytest.approx(0.6)
+    result = replay(run.store, run.spec, outer_kwargs=OUTER)
+    assert result["ok"] and result["bitwise"], result["first_divergence"]
+
+
 def test_replay_without_an_update_object_tries_the_configured_codec(history):
     """A syncer that crashed between the global and its update object leaves no codec on record."""
     run, _ = history(rounds=3)
