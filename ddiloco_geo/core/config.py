@@ -185,8 +185,8 @@ class SyncerConfig(Section):
         "(its exit flush when its schedule ends) averages the learners' models: the token-weighted mean, lr 1, momentum kept "
         "(recorded as 'final' in the merge record): at the end of the run the outer momentum would carry the global past where "
         "the learners are; 'outer': the usual outer step")
-    resends: Literal["share", "pull"] = Field("share", description="with anchoring='base', a delta sent again on the base of "
-        "the learner's merged one: 'share' applies its steps beyond the merged delta's (recorded as 'resent' and 'share'); 'pull' anchors it at the current global")
+    resends: Literal["share", "pull"] = Field("pull", description="with anchoring='base', a delta sent again on the base of "
+        "the learner's merged one: 'pull' anchors it at the current global; 'share' applies its steps beyond the merged delta's (recorded as 'resent' and 'share'; not the default: chaos seeds 6-7 ended worse with it)")
     max_seq_ahead: int = Field(100_000, ge=1, description="a delta key more than this many sequence numbers past the "
                                "learner's last provable one is rejected unread (seq_ahead): an honest learner skips a "
                                "number only when its key is taken, so one foreign object cannot push its numbering away")

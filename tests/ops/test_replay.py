@@ -256,7 +256,7 @@ def test_a_later_final_merge_joins_the_average_with_its_share_and_replays(histor
 def test_replay_reproduces_a_resend_merged_by_its_share_and_checks_the_record(history):
     # syncer.resends=share: a's second delta on the base of its merged one is applied by its new
     # steps' share; replay takes the merged delta's counters from the version before's state object
-    run, syncer = history(rounds=3)
+    run, syncer = history(rounds=3, **{"syncer.resends": "share"})
     v = syncer.fragments[0].version
     base = syncer.fragments[0].merged_base["a"]
     run.write_delta("a", 0, base_version=base, steps=10, tokens=640)  # its merged delta had 4 steps, 256 tokens
@@ -281,7 +281,7 @@ def test_replay_reproduces_a_resend_merged_by_its_share_and_checks_the_record(hi
 
 def test_replay_reproduces_a_resend_the_merge_guard_also_scaled(history):
     # clipped and merged by its share: replay scales in the syncer's order, bit for bit
-    run, syncer = history(rounds=4)
+    run, syncer = history(rounds=4, **{"syncer.resends": "share"})
     v = syncer.fragments[0].version
     base = syncer.fragments[0].merged_base["a"]
     big = {n: 0.4 * torch.randn(s) for n, s in run.spec.plan.expect(0).items()}  # 16x the per-step norm: clipped, not rejected

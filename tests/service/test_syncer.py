@@ -184,12 +184,12 @@ def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_bas
 
 
 def test_a_resend_on_a_merged_base_applies_only_its_new_steps(tiny_run):
-    # syncer.resends=share (the default): a learner that sends again on the base of its merged delta
+    # syncer.resends=share: a learner that sends again on the base of its merged delta
     # carries that delta's steps again; its steps beyond them are applied as progress (the delta
     # scaled by new steps / its steps) with the new steps' weight, and nothing the other learners
     # merged since is pulled back. The merged delta's counters survive a syncer restart.
     run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
-                      "syncer.update_codec": "fp32", "syncer.anchoring": "base"})
+                      "syncer.update_codec": "fp32", "syncer.anchoring": "base", "syncer.resends": "share"})
     syncer = run.syncer()
     p = 0
     run.write_delta("a", p, pg_const(run, p, 0.5), steps=4, tokens=256)  # merged into v1
