@@ -71,7 +71,7 @@ from ddiloco_geo.core.outer import MOMENTUM_PREFIX, OuterOptimizer, merge_and_st
 from ddiloco_geo.protocol.publish import RESIDUAL, compress_update, outer_state_from_wire
 from ddiloco_geo.storage import Store
 from ddiloco_geo.syncer.rounds import resend_share
-from ddiloco_geo.syncer.state import state_counts
+from ddiloco_geo.syncer.state import merged_bookkeeping
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +244,7 @@ class Replayer:
             raise Divergence(p, v, "record", "merge record lists no merged delta")
         expect = self.spec.plan.expect(p)
         anchored, weights = [], []
-        merged_base = {str(k): int(x) for k, x in state.header.extra.get("merged_base", {}).items()}
-        merged_counts = state_counts(state.header.extra)
+        merged_base, merged_counts = merged_bookkeeping(state.header.extra)
         for e in entries:
             key = e.get("key", "")
             d_header, pg = self._read(p, v, f"delta {key}", lambda: codec.decode(

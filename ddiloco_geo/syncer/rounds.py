@@ -142,7 +142,7 @@ def resend_share(merged_base: dict[str, int], merged_counts: dict[str, tuple[int
     delta (before the learner adopted the version holding that delta) carries the merged steps again.
     Anchored at the current global (a pull), it counted all its tokens and moved the global toward the
     learner's model, taking back by its weight what the other learners had merged since that base
-    (a learner behind a slow link, or the only one running through an outage, did this at most merges).
+    (after a syncer outage, a learner behind a slow link sent such resends of 49-68 steps).
     Its new part is the steps beyond the merged delta's: it is applied as progress, the delta scaled
     by ``share = new steps / its steps`` (the new steps taken along the delta's mean direction), with
     the weight of the new steps and tokens only. None when this is not such a resend, its counters are

@@ -136,8 +136,7 @@ def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: 
         outer.load_state_dict(outer_state_from_wire(
             {k: v for k, v in st_tensors.items() if not k.startswith(RESIDUAL)}, st_header))
         consumed = {str(k): int(v) for k, v in st_header.extra.get("consumed", {}).items()}
-        merged_base = {str(k): int(v) for k, v in st_header.extra.get("merged_base", {}).items()}
-        merged_counts = state_counts(st_header.extra)
+        merged_base, merged_counts = merged_bookkeeping(st_header.extra)
         marks = st_header.extra.get("finalized")
         finalized = frozenset(x for x in marks if isinstance(x, str)) if isinstance(marks, list) else frozenset()
     state = FragmentState(fragment, version, params, outer, clock=header.clock, consumed=consumed,
@@ -146,11 +145,16 @@ def load_fragment(store: Store, spec: protocol.RunSpec, fragment: int, version: 
     return state, state_key
 
 
-def state_counts(extra: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """A state object's ``merged_counts`` (learner -> [steps, tokens] of its newest merged delta); a
-    malformed entry is left out (the learner's next resend is then pulled, as before the setting)."""
-    counts = extra.get("merged_counts")
-    if not isinstance(counts, dict):
-        return {}
-    return {str(k): (v[0], v[1]) for k, v in counts.items()
-            if isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 0 for x in v)}
+def merged_bookkeeping(extra: dict[str, Any]) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """A state object's ``merged_base`` (learner -> base version of its newest merged delta) and
+    ``merged_counts`` (learner -> [steps, tokens] of that delta), as the syncer and ``replay`` read
+    them. A malformed entry is left out: that learner's next resend on a merged base is then not
+    recognised as one (applied as progress, or pulled without counters), never a crash."""
+    def natural(x: Any) -> bool:
+        return type(x) is int and x >= 0
+
+    base, counts = extra.get("merged_base"), extra.get("merged_counts")
+    base = {str(k): v for k, v in base.items() if natural(v)} if isinstance(base, dict) else {}
+    counts = {str(k): (v[0], v[1]) for k, v in counts.items()
+              if isinstance(v, list) and len(v) == 2 and all(natural(x) for x in v)} if isinstance(counts, dict) else {}
+    return base, counts

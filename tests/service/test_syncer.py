@@ -226,6 +226,16 @@ def test_a_resend_on_a_merged_base_applies_only_its_new_steps(tiny_run):
     assert protocol.read_header(run.store, layout.global_key(p, 5)).extra["merged"][0]["anchor"] == "current"
 
 
+def test_malformed_merge_bookkeeping_in_a_state_object_is_left_out_not_a_crash():
+    from ddiloco_geo.syncer.state import merged_bookkeeping
+
+    base, counts = merged_bookkeeping({"merged_base": {"a": 2, "b": "3", "c": -1, "d": True},
+                                       "merged_counts": {"a": [4, 256], "b": [1], "c": [4, -1], "d": "4,256"}})
+    assert base == {"a": 2} and counts == {"a": (4, 256)}
+    assert merged_bookkeeping({"merged_base": [1], "merged_counts": None}) == ({}, {})
+    assert merged_bookkeeping({}) == ({}, {})  # a state from before either existed
+
+
 def test_increments_all_contribute_and_are_applied_as_progress(tiny_run):
     # deltas marked increment (error feedback): two from one learner on one base hold disjoint work,
     # so neither supersedes the other; a stale one is applied as it is, under either anchoring
