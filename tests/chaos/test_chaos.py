@@ -495,16 +495,52 @@ def test_a_learner_that_ended_its_schedule_by_the_runs_position_is_not_downtime(
 @pytest.mark.unit
 def test_the_loss_comparison_says_how_far_apart_the_runs_are_in_steps_taken_and_delivered():
     from ddiloco_geo.tools.chaos.baseline import loss_comparison
-    report = {"steps_taken": 441, "goodput": 0.8, "goodput_baseline": 0.98}
-    c = loss_comparison(report, 387, 118)
+    report = {"steps_taken": 441, "goodput": 0.8}
+    first = {"store": "s3://b/baseline-x", "max_steps": 118, "learner_steps": 387, "delivered_steps": 379.3,
+             "eval_loss": 2.5}
+    c = loss_comparison(report, [first])
     assert c["baseline_max_steps"] == 118 and "equal tokens merged" in c["how"]
     assert c["steps_ratio"] == round(441 / 387, 4)
-    assert (c["delivered_steps"], c["baseline_delivered_steps"]) == (352.8, round(387 * 0.98, 1))
-    assert c["delivered_ratio"] == round(441 * 0.8 / (387 * 0.98), 4)  # lost work: fewer tokens merged
-    assert "goodput x steps" in c["how"]
+    assert (c["delivered_steps"], c["baseline_delivered_steps"]) == (352.8, 379.3)
+    assert c["delivered_ratio"] == round(441 * 0.8 / 379.3, 4)  # lost work: fewer tokens merged
+    assert "goodput x steps" in c["how"] and c["baseline_loss_taken"] == "single"
+    assert c["baseline_runs"] == [{k: first[k] for k in ("store", "max_steps", "learner_steps", "delivered_steps",
+                                                         "eval_loss")}]
+    # two runs: interpolated at the chaos run's delivered steps, or the nearer run's
+    second = {**first, "store": "s3://b/baseline-x-2", "max_steps": 110, "learner_steps": 350, "delivered_steps": 345.0}
+    c = loss_comparison(report, [first, second], "interpolated")
+    assert c["delivered_ratio"] == 1.0 and len(c["baseline_runs"]) == 2 and c["baseline_max_steps"] == 118
+    c = loss_comparison(report, [first, {**second, "delivered_steps": 360.0}], "nearest")
+    assert c["baseline_delivered_steps"] == 360.0 and c["delivered_ratio"] == round(352.8 / 360, 4)
     # without a goodput (nothing merged, or an unreadable baseline) there is no ratio, and no crash
-    c = loss_comparison({"steps_taken": 441, "goodput": None, "goodput_baseline": None}, 387)
+    c = loss_comparison({"steps_taken": 441, "goodput": None}, [{**first, "delivered_steps": None}])
     assert c["delivered_ratio"] is None and c["steps_ratio"] == round(441 / 387, 4)
+
+
+@pytest.mark.unit
+def test_a_second_baseline_runs_only_when_the_first_missed_the_chaos_runs_tokens():
+    from ddiloco_geo.tools.chaos.baseline import TOLERANCE, next_max_steps
+    # 6% more delivered than the chaos run: a second run aimed as far below the target (or above)
+    assert next_max_steps(400.0, {"delivered_steps": 424.0}, 133) == round(133 * (400 / 424) ** 2)
+    assert next_max_steps(400.0, {"delivered_steps": 376.0}, 133) == round(133 * (400 / 376) ** 2)
+    assert next_max_steps(400.0, {"delivered_steps": 400.0 * (1 + TOLERANCE)}, 133) is None  # close enough
+    assert next_max_steps(None, {"delivered_steps": 424.0}, 133) is None  # no chaos goodput
+    assert next_max_steps(400.0, {"delivered_steps": None}, 133) is None  # no baseline goodput
+    assert next_max_steps(2.0, {"delivered_steps": 2.1}, 1) is None  # rounds to the same max_steps
+
+
+@pytest.mark.unit
+def test_the_baseline_loss_is_interpolated_at_the_chaos_runs_tokens_never_extrapolated():
+    from ddiloco_geo.tools.chaos.baseline import equal_token_loss
+    assert equal_token_loss([(420.0, 2.50)], 400.0) == (2.50, "single")
+    assert equal_token_loss([(420.0, 2.50), (380.0, 2.54)], 400.0) == (pytest.approx(2.52), "interpolated")
+    assert equal_token_loss([(380.0, 2.54), (420.0, 2.50)], 410.0) == (pytest.approx(2.51), "interpolated")
+    # both runs on one side: the nearer one, not a line through two noisy losses
+    assert equal_token_loss([(420.0, 2.50), (405.0, 2.53)], 400.0) == (2.53, "nearest")
+    assert equal_token_loss([(390.0, 2.53), (395.0, 2.40)], 400.0) == (2.40, "nearest")
+    # no target, or a run without a delivered figure: the first run
+    assert equal_token_loss([(420.0, 2.50), (380.0, 2.54)], None) == (2.50, "single")
+    assert equal_token_loss([(None, 2.50), (380.0, 2.54)], 400.0) == (2.50, "single")
 
 
 @pytest.mark.unit
@@ -519,3 +555,42 @@ def test_the_baseline_runs_as_many_learner_steps_as_the_chaos_run_delivered():
     assert equal_token_steps({"steps_taken": 445, "goodput": None}, settings) == 120
     assert equal_token_steps({"steps_taken": 0, "goodput": 1.0}, settings) == 120
     assert equal_token_steps({"steps_taken": 1, "goodput": 0.01}, settings) == 1
+
+
+@pytest.mark.unit
+def test_the_baseline_report_compares_at_the_chaos_runs_tokens_merged(monkeypatch, tmp_path):
+    import time
+
+    from ddiloco_geo.core import config
+    from ddiloco_geo.tools.chaos import baseline
+
+    settings, _ = config.load(cli={"learner": {"max_steps": 120}, "local": {"learners": 3}})
+    calls = []
+
+    def fake_run(settings, max_steps, *, url, out, env, deadline):  # a fault-free run overshooting by 6%
+        calls.append((max_steps, url, out.name))
+        steps = round(3 * max_steps * 1.06)
+        return {"store": url, "max_steps": max_steps, "learner_steps": steps, "delivered_steps": float(steps),
+                "eval_loss": 2.60 - 0.001 * steps, "deltas_unaccounted": 0, "goodput": 1.0}
+
+    monkeypatch.setattr(baseline, "_one_run", fake_run)
+    report = {"steps_taken": 400, "goodput": 1.0, "final_eval_loss": 2.30}
+    baseline.run_baseline(settings, report, url="s3://b/base", out=tmp_path / "baseline", env={},
+                          deadline=time.monotonic() + 600)
+    assert calls == [(133, "s3://b/base", "baseline"), (round(133 * (400 / 423) ** 2), "s3://b/base-2", "baseline-2")]
+    c = report["loss_comparison"]
+    assert c["baseline_loss_taken"] == "interpolated" and c["delivered_ratio"] == 1.0
+    assert report["baseline_eval_loss"] == pytest.approx(2.60 - 0.001 * 400)  # the loss at 400 steps merged
+    assert report["loss_ratio"] == round(2.30 / (2.60 - 0.4), 4) and report["baseline_store"] == "s3://b/base"
+    # no time left for a second run: the first alone, as near as it came
+    calls.clear()
+    report = {"steps_taken": 400, "goodput": 1.0, "final_eval_loss": 2.30}
+    baseline.run_baseline(settings, report, url="s3://b/base", out=tmp_path / "baseline", env={},
+                          deadline=time.monotonic() - 1)
+    assert len(calls) == 1 and report["loss_comparison"]["baseline_loss_taken"] == "single"
+    assert report["loss_comparison"]["delivered_ratio"] == round(400 / 423, 4)
+    # a failed first run is reported, not raised
+    monkeypatch.setattr(baseline, "_one_run", lambda *a, **k: {"error": "RuntimeError: boom"})
+    report = {"steps_taken": 400, "goodput": 1.0, "final_eval_loss": 2.30}
+    baseline.run_baseline(settings, report, url="s3://b/base", out=tmp_path / "baseline", env={}, deadline=0)
+    assert report["baseline_error"] == "RuntimeError: boom" and "loss_ratio" not in report

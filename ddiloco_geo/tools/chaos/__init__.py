@@ -32,8 +32,8 @@ bucket and reports (definitions in ``docs/chaos.md``):
                  P x steps taken.
 ``deltas_*``     the ledger: written = merged (incl. superseded) + rejected; unaccounted must be 0.
 ``loss_ratio``   final eval loss of the global model / that of a fault-free run with the same
-                 settings (M, steps, model and data seed) run by the same command (``--no-baseline``
-                 skips it).
+                 settings (M, model and data seed) run by the same command, at equal tokens merged
+                 (one or two runs, interpolated: :mod:`~.baseline`; ``--no-baseline`` skips it).
 ``recovery_s``   ``notice_to_exit`` (SIGTERM -> exit, learners), ``restart_to_first_merge``
                  (restart -> ``published_at`` of the first merge record holding a delta of the new
                  incarnation), and more.
