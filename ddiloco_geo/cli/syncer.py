@@ -10,7 +10,7 @@ import signal
 
 from ddiloco_geo import protocol
 from ddiloco_geo.cli.settings import settings_from
-from ddiloco_geo.core.model import embedding_rule
+from ddiloco_geo.core.model import build_model, embedding_rule
 from ddiloco_geo.core.signing import syncer_keys
 from ddiloco_geo.metrics import serve_from_config
 from ddiloco_geo.storage import open_store
@@ -32,9 +32,12 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:  # closed in reverse: metrics server, then the store
         store = open_store(settings.storage)
         stack.callback(store.close)
-        spec, params = protocol.build_spec(settings)
+        # one model for the spec and the embedding rule (alone, the rule builds it on the meta device,
+        # whose first use imports torch._dynamo: seconds of CPU at every syncer start)
+        net = build_model(settings.model)
+        spec, params = protocol.build_spec(settings, net)
         spec = protocol.create_or_load_spec(store, spec)
-        syncer = Syncer(store, spec, **settings.syncer.model_dump(), is_embedding=embedding_rule(settings.model),
+        syncer = Syncer(store, spec, **settings.syncer.model_dump(), is_embedding=embedding_rule(settings.model, net),
                         **syncer_keys(settings.security))
         syncer.bootstrap(params)
         server = serve_from_config(settings.metrics, syncer.registry, syncer.health)

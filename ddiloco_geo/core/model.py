@@ -38,13 +38,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ddiloco_geo.core import hf
 from ddiloco_geo.core.config import ModelConfig
@@ -325,17 +325,28 @@ def get_tensors(model: nn.Module, names: Iterable[str]) -> dict[str, torch.Tenso
     return out
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """An FSDP2-sharded ``DTensor``. ``torch.distributed.tensor`` is not imported here: it pulls in
+    ``torch._dynamo`` (about half a second of CPU at every process start, on the syncer's and a
+    restarted learner's way back); FSDP imports it before any DTensor exists, so while it is not
+    loaded no tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: for an FSDP2-sharded ``DTensor`` an all-gather (a collective: every rank of
     the learner calls it, in the same order); any other tensor as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def like_param(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``t`` (a whole tensor, the same on every rank) on ``param``'s device and dtype, and for a
     sharded ``DTensor`` parameter cut to this rank's shard locally (no communication)."""
     t = t.to(device=param.device, dtype=param.dtype)
-    if isinstance(param, DTensor):
+    if _is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(t, param.device_mesh, param.placements, src_data_rank=None)
     return t
 

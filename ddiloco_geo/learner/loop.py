@@ -91,7 +91,7 @@ class Learner:
     def join(self) -> None:
         """The only wait: for the run spec and a first version of every fragment."""
         local_spec, _ = protocol.spec_from(run_id=self.run_id, model=self.model_cfg, fragments=self.fragments_cfg,
-                                           run=self.run_cfg)
+                                           run=self.run_cfg, net=self.model)  # its names and shapes: no second build
         index: dict[int, int] = {}
         if self.rank == 0:
             spec = protocol.wait_for_spec(self.store, self.cfg.join_timeout_s)

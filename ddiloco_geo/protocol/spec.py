@@ -138,15 +138,17 @@ def wait_for_spec(store: Store, timeout_s: float, poll_s: float = 0.5) -> RunSpe
             time.sleep(poll_s)
 
 
-def build_spec(settings) -> tuple[RunSpec, dict[str, torch.Tensor]]:
-    """The run spec and initial weights from a settings tree (its run-level sections)."""
-    return spec_from(run_id=settings.run_id, model=settings.model, fragments=settings.fragments, run=settings.run)
+def build_spec(settings, net: torch.nn.Module | None = None) -> tuple[RunSpec, dict[str, torch.Tensor]]:
+    """The run spec and initial weights from a settings tree (its run-level sections); ``net``: the
+    model ``build_model(settings.model)`` already built, if the caller has it."""
+    return spec_from(run_id=settings.run_id, model=settings.model, fragments=settings.fragments, run=settings.run,
+                     net=net)
 
 
-def spec_from(*, run_id: str, model, fragments, run) -> tuple[RunSpec, dict[str, torch.Tensor]]:
+def spec_from(*, run_id: str, model, fragments, run, net: torch.nn.Module | None = None) -> tuple[RunSpec, dict[str, torch.Tensor]]:
     """The run spec and initial weights from the model, fragment and run settings (identical in
     every process that has the same settings)."""
-    net = modelmod.build_model(model)
+    net = modelmod.build_model(model) if net is None else net
     params = {n: t.detach().to(torch.float32) for n, t in net.named_parameters()}
     plan = plan_fragments(modelmod.param_shapes(net), fragments.num_fragments)
     spec = RunSpec(run_id=run_id, model=model.model_dump(), plan=plan, sync_every=fragments.sync_every,
