@@ -5,8 +5,8 @@ tokens merged are its delivered learner steps (goodput x steps taken). The first
 ``learner.max_steps`` is the chaos run's delivered steps over M; under ``learner.schedule=run``
 faster learners run a little past the budget (3-10% on the chaos testbed), so when the first
 baseline delivered more than ``TOLERANCE`` away from the chaos run, a second one runs (on its own
-prefix, ``<prefix>-2``) with ``max_steps`` scaled by the miss, and the baseline's loss at the
-chaos run's delivered steps is interpolated between the two (:func:`equal_token_loss`). Each run
+prefix, ``<prefix>-2``) aimed as far on the other side (:func:`next_max_steps`), and the baseline's
+loss at the chaos run's delivered steps is interpolated between the two (:func:`equal_token_loss`). Each run
 ends its own whole learning-rate schedule. Run by :class:`~ddiloco_geo.tools.local.LocalRun` (what
 ``ddiloco-geo local`` runs): no proxies, no stragglers, no kills, no storage faults. Its children
 get the chaos run's environment (no ``DDILOCO_*`` variables: the settings file decides). It runs
