@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learners", type=int, help="number of learner processes M (default 3)")
     p.add_argument("--out", help="directory for summary.json, training.png and logs (default ./out)")
-    p.add_argument("--steps", type=int, help="inner steps per learner (learner.max_steps; with the default learner.schedule=run the run stops after learners x steps in all)")
+    p.add_argument("--steps", type=int, help="inner steps per learner (learner.max_steps; with the default learner.schedule=run the run stops after about learners x steps in all: 3-10%% more in the chaos baselines, as each learner counts the others' steps from their merged deltas, which trail them)")
     p.add_argument("--model", help="built-in model size (nano, tiny, small, ...)")
     p.add_argument("--quorum", type=int, help="syncer quorum K")
     p.add_argument("--join", action="store_true", help="join the existing run at --store instead of starting fresh")
