@@ -327,9 +327,9 @@ def get_tensors(model: nn.Module, names: Iterable[str]) -> dict[str, torch.Tenso
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     """An FSDP2-sharded ``DTensor``. ``torch.distributed.tensor`` is not imported here: it pulls in
-    ``torch._dynamo`` (about half a second of CPU at every process start, on the syncer's and a
-    restarted learner's way back); FSDP imports it before any DTensor exists, so while it is not
-    loaded no tensor can be one."""
+    ``torch._dynamo`` (seconds of CPU at every start of a process that never shards, such as a
+    syncer coming back after a restart); FSDP imports it before any DTensor exists, so while it is
+    not loaded no tensor can be one."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 

@@ -66,7 +66,7 @@ def shard_model(model: torch.nn.Module, parallel: str, world: int) -> bool:
     True if the model was sharded."""
     if parallel != "fsdp" or world == 1:
         return False
-    from torch.distributed.fsdp import fully_shard  # here: its import costs every learner's start ~0.5 s of CPU
+    from torch.distributed.fsdp import fully_shard  # only here: it imports torch.distributed.tensor (core/model.py)
 
     for module in list(model.modules()):
         if isinstance(module, torch.nn.ModuleList):

@@ -217,3 +217,28 @@ def test_factory_plug_in(factory_module, func):
 def test_bad_factory_errors(factory_module, spec, message):
     with pytest.raises(ConfigError, match=message):
         build_model(ModelConfig(factory=spec))
+
+
+def test_a_syncer_start_does_not_import_torch_dynamo():
+    """torch._dynamo costs seconds of CPU at every start (more on a loaded machine): the syncer's
+    imports, its model and its embedding rule must not pull it in (torch.distributed.tensor does)."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""
+        import sys
+        from ddiloco_geo.cli import syncer
+        from ddiloco_geo.core import config, model
+        from ddiloco_geo import protocol
+        settings, _ = config.load(cli={"model": {"name": "nano"}})
+        net = model.build_model(settings.model)
+        protocol.build_spec(settings, net)
+        rule = model.embedding_rule(settings.model, net)
+        assert rule("wte.weight")
+        model.full_tensor(net.wte.weight)
+        loaded = sorted(m for m in ("torch._dynamo", "torch.distributed.tensor") if m in sys.modules)
+        print(",".join(loaded) or "none")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "none"
