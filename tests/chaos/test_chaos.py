@@ -594,3 +594,24 @@ def test_the_baseline_report_compares_at_the_chaos_runs_tokens_merged(monkeypatc
     report = {"steps_taken": 400, "goodput": 1.0, "final_eval_loss": 2.30}
     baseline.run_baseline(settings, report, url="s3://b/base", out=tmp_path / "baseline", env={}, deadline=0)
     assert report["baseline_error"] == "RuntimeError: boom" and "loss_ratio" not in report
+
+
+@pytest.mark.unit
+def test_a_failed_second_baseline_leaves_the_comparison_with_the_first(monkeypatch, tmp_path):
+    import time
+
+    from ddiloco_geo.core import config
+    from ddiloco_geo.tools.chaos import baseline
+
+    settings, _ = config.load(cli={"learner": {"max_steps": 120}, "local": {"learners": 3}})
+    runs = iter([{"store": "s3://b/base", "max_steps": 133, "learner_steps": 424, "delivered_steps": 424.0,
+                  "eval_loss": 2.50, "deltas_unaccounted": 0, "goodput": 1.0},
+                 {"error": "RuntimeError: the second baseline's syncer died"}])
+    monkeypatch.setattr(baseline, "_one_run", lambda *a, **k: next(runs))
+    report = {"steps_taken": 400, "goodput": 1.0, "final_eval_loss": 2.55}
+    baseline.run_baseline(settings, report, url="s3://b/base", out=tmp_path / "baseline", env={},
+                          deadline=time.monotonic() + 600)
+    c = report["loss_comparison"]
+    assert "baseline_error" not in report and len(c["baseline_runs"]) == 1
+    assert c["baseline_loss_taken"] == "single" and report["loss_ratio"] == round(2.55 / 2.50, 4)
+    assert c["delivered_ratio"] == round(400 / 424, 4)  # says how far from equal tokens the comparison is

@@ -156,7 +156,12 @@ def equal_token_loss(points: Iterable[tuple[float | None, float]], target: float
     (x0, y0), (x1, y1) = known[0], known[-1]
     if x0 <= target <= x1 and x1 > x0:
         return y0 + (y1 - y0) * (target - x0) / (x1 - x0), "interpolated"
-    return min(known, key=lambda p: abs(p[0] - target))[1], "nearest"
+    return _nearest(known, target)[1], "nearest"
+
+
+def _nearest(points: Iterable[tuple[float, float]], target: float) -> tuple[float, float]:
+    """The (delivered steps, loss) point whose delivered steps are nearest ``target``."""
+    return min(points, key=lambda p: abs(p[0] - target))
 
 
 def loss_comparison(report: dict[str, Any], runs: list[dict[str, Any]], taken: str = "single") -> dict[str, Any]:
@@ -172,18 +177,18 @@ def loss_comparison(report: dict[str, Any], runs: list[dict[str, Any]], taken: s
     if taken == "interpolated":
         base_delivered = delivered
     elif taken == "nearest":
-        base_delivered = min((r["delivered_steps"] for r in runs if r["delivered_steps"] is not None),
-                             key=lambda x: abs(x - delivered))
+        base_delivered = _nearest([(r["delivered_steps"], r["eval_loss"]) for r in runs
+                                   if r["delivered_steps"] is not None], delivered)[0]
     else:
         base_delivered = first["delivered_steps"]
     return {
         "how": "final eval loss of the global model (same held-out batches) over the fault-free run's, both after "
                "every learner ended its schedule, at equal tokens merged (learner steps that reached a merged delta, "
                "goodput x steps): the first fault-free run's learner.max_steps (baseline_max_steps) is the chaos run's "
-               "delivered steps over M; when it delivered more than 1.5% away from them, a second run with max_steps "
-               "scaled by the miss, and the fault-free loss interpolated between the two at the chaos run's delivered "
-               "steps (baseline_loss_taken; never extrapolated: outside the two, the nearer); delivered_ratio says how "
-               "near equal the compared tokens are",
+               f"delivered steps over M; when it delivered more than {TOLERANCE:.1%} away from them, a second run aimed "
+               "as far on the other side, and the fault-free loss interpolated between the two at the chaos run's "
+               "delivered steps (baseline_loss_taken; never extrapolated: outside the two, the nearer); delivered_ratio "
+               "says how near equal the compared tokens are",
         "baseline_max_steps": first["max_steps"],
         "learner_steps": steps, "baseline_learner_steps": first["learner_steps"],
         "steps_ratio": ratio(steps, first["learner_steps"]),
