@@ -367,8 +367,8 @@ class Learner:
             if self.step % self.cfg.log_every == 0:
                 self.history.append({"step": self.step, "tokens": self.tokens_total, "loss": self.loss_ema,
                                      "time": time.time()})
-                log.info("learner_step learner=%s step=%d loss=%.4f tok_s=%.0f versions=%d queue=%d",
-                         self.learner_id, self.step, self.loss_ema,
+                log.info("learner_step learner=%s step=%d position=%d loss=%.4f tok_s=%.0f versions=%d queue=%d",
+                         self.learner_id, self.step, self.position, self.loss_ema,
                          self.tokens_total / max(1e-9, time.monotonic() - self.started),
                          sum(self.base_version), self.uploader.depth())
             if self.inline_io and time.monotonic() - self._last_hb > self.cfg.heartbeat_s:
