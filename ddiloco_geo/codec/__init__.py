@@ -9,7 +9,7 @@ pickled. Pure tensor code, no I/O. The modules, bottom up:
 - ``quantize``: the codecs (``CODECS``: fp32, bf16, blockwise int8/int4, topk) and their error bounds;
 - ``sparse``: the ``topk`` codec (per-chunk top-k, 12-bit indices, ternary values) and ``sparsify``,
   what it sends as a dense tensor (for error feedback: ``residual = x - sparsify(x)``);
-- ``checksum``: SHA-256 over the stored tensor bytes (``checksum_of``);
+- ``checksum``: BLAKE3 (format 1: SHA-256) over the stored tensor bytes (``checksum_of``);
 - ``wire``: ``encode``/``decode``/``read_header``, ``roundtrip`` (what decode would yield, without
   serializing: for error feedback), the order of decode's checks, and signing.
 

@@ -1,8 +1,8 @@
-"""The wire header (format version 1): the ``Header`` dataclass and its metadata fields.
+"""The wire header (format version 2): the ``Header`` dataclass and its metadata fields.
 
 The header lives in safetensors' ``__metadata__`` (``dict[str, str]``)::
 
-    ddiloco.format  "1"                       (FORMAT_VERSION; a reader refuses any other)
+    ddiloco.format  "2"                       (FORMAT_VERSION; a reader also reads "1", refuses others)
     kind            delta | global | update | state | checkpoint
     run_id, learner, fragment, seq, base_version, version, num_steps, num_tokens
     clock           VectorClock JSON
@@ -12,11 +12,13 @@ The header lives in safetensors' ``__metadata__`` (``dict[str, str]``)::
                     objects of the older codecs are byte for byte what they were
     shapes, dtypes  JSON {name: [dims]} and {name: "float32" | ...}: what decode restores
     extra           one JSON object (merge record, data cursor, ...)
-    checksum        sha256 hex over the raw bytes of every stored tensor, in sorted key order
+    checksum        BLAKE3 hex (format 1: SHA-256) over the raw bytes of every stored tensor, in sorted
+                    key order
     signer          (signed objects only) key id: "learner:<id>" or "syncer"
     signature       (signed objects only) hex HMAC-SHA256 over every other metadata field
 
-The fields are a frozen surface: a change of meaning needs a new ``FORMAT_VERSION``. Writing
+The fields are a frozen surface: a change of meaning needs a new ``FORMAT_VERSION`` (2 changed the
+checksum's hash; format-1 objects are still read, ``Header.format`` says which). Writing
 (``check_header``, ``header_metadata``) raises ValueError for a header that could not be read back;
 reading (``parse_metadata``) raises ``CodecError``: ``foreign`` (no metadata, or no format key),
 ``version`` (another format version) or ``bad_header`` (a missing or malformed field). This module
@@ -36,7 +38,8 @@ from ddiloco_geo.core.errors import CodecError
 from ddiloco_geo.core.layout import ID_PATTERN
 from ddiloco_geo.core.signing import SIGNER_FIELD
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 FORMAT_KEY = "ddiloco.format"
 KINDS = ("delta", "global", "update", "state", "checkpoint")
 INT_FIELDS = ("fragment", "seq", "base_version", "version", "num_steps", "num_tokens", "block_size")
@@ -67,6 +70,7 @@ class Header:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
     dtypes: dict[str, str] = field(default_factory=dict, compare=False)
     checksum: str = field(default="", compare=False)
+    format: int = field(default=FORMAT_VERSION, compare=False)  # the format version it was read in
     signer: str = field(default="", compare=False)  # key id; trustworthy only after decode(verify=...)
 
 
@@ -131,8 +135,10 @@ def parse_metadata(entries: dict[str, Any]) -> Header:
         raise CodecError("bad_header", "__metadata__ is not a map of strings")
     if FORMAT_KEY not in meta:
         raise CodecError("foreign", f"no {FORMAT_KEY!r} in the metadata: not a ddiloco-geo object")
-    if meta[FORMAT_KEY] != str(FORMAT_VERSION):
-        raise CodecError("version", f"format {meta[FORMAT_KEY][:20]!r}, this reader knows {FORMAT_VERSION}")
+    fmt = next((v for v in READABLE_FORMATS if meta[FORMAT_KEY] == str(v)), None)
+    if fmt is None:
+        raise CodecError("version", f"format {meta[FORMAT_KEY][:20]!r}, this reader knows "
+                                    f"{', '.join(map(str, READABLE_FORMATS))}")  # fmt: skip
 
     def text(key: str) -> str:
         if key not in meta:
@@ -171,12 +177,12 @@ def parse_metadata(entries: dict[str, Any]) -> Header:
         raise CodecError("bad_header", "header field 'dtypes' does not match 'shapes'")
     checksum = text("checksum")
     if not re.fullmatch(r"[0-9a-f]{64}", checksum):
-        raise CodecError("bad_header", "header field 'checksum' is not a sha256 hex digest")
+        raise CodecError("bad_header", "header field 'checksum' is not a 64-digit hex digest")
     ints = {f: integer(f) for f in INT_FIELDS}
     codec = text("codec")
     return Header(
         kind=kind, run_id=run, learner=learner, clock=clock, codec=codec, extra=extra,
         topk=integer("topk") if codec == "topk" else 0,
-        shapes={n: tuple(s) for n, s in shapes.items()}, dtypes=dtypes, checksum=checksum,
+        shapes={n: tuple(s) for n, s in shapes.items()}, dtypes=dtypes, checksum=checksum, format=fmt,
         signer=meta.get(SIGNER_FIELD, ""), **ints,
     )  # fmt: skip

@@ -233,7 +233,7 @@ def _decode(data, kind, run_id, expect, max_bytes, verify=None, require_signatur
         _check_expect(header.shapes, expect)
 
     keys = sorted(layout)
-    digest = Digest(parallel=len(mv) - data_start >= PARALLEL_HASH_BYTES)
+    digest = Digest(parallel=len(mv) - data_start >= PARALLEL_HASH_BYTES, fmt=header.format)
     try:
         for key in keys:
             start, end = layout[key][2]

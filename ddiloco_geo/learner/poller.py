@@ -127,7 +127,7 @@ class GlobalPoller:
                 if header.fragment != p or header.version != v or header.base_version != v - 1:
                     raise CodecError("bad_header", f"update {p}/{v} claims {header.fragment}/{header.version}")
                 tensors = {n: tensors[n] + change[n] for n in tensors}
-                if codec.checksum_of(tensors) != header.extra.get("global_checksum"):
+                if codec.checksum_of(tensors, header.format) != header.extra.get("global_checksum"):
                     raise CodecError("checksum", f"rebuilt fragment {p} version {v} differs from the global")
                 clock = clock.merge(header.clock)
                 mine = max(mine, self.mine(header.extra))

@@ -15,13 +15,14 @@ operations mirror the store's, with ``create`` for ``put_if_absent``::
     torn_write(key, data)                what an interrupted write leaves (fault injection only)
 
 Keys arrive already checked (:mod:`ddiloco_geo.storage.keys`). Backends without native version
-tokens (local, memory) use :func:`hash_token`, the sha256 of the content.
+tokens (local, memory) use :func:`hash_token`, the BLAKE3 of the content (as the codec's checksum).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
+
+import blake3
 
 
 class Backend:
@@ -75,5 +76,5 @@ def common_prefixes(keys: Iterable[str], prefix: str) -> list[str]:
 
 
 def hash_token(data: bytes) -> str:
-    """The version token of backends without one of their own: sha256 of the content."""
-    return hashlib.sha256(data).hexdigest()
+    """The version token of backends without one of their own: BLAKE3 of the content."""
+    return blake3.blake3(data).hexdigest()

@@ -2,7 +2,7 @@
 
 Create = temp file + fsync + ``os.link`` (atomic, fails if the name exists; readers never see a
 partial object). CAS = ``fcntl.flock`` on a per-key lock file under ``.ddiloco-locks/``, compare
-the sha256 of the current content, temp file + ``os.replace``. Safe across threads and processes
+the BLAKE3 of the current content, temp file + ``os.replace``. Safe across threads and processes
 on one host (not across hosts sharing an NFS mount).
 
 Hidden ``.ddiloco-`` names are temp files (next to their object, so that link/replace stay on one

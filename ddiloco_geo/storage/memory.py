@@ -2,7 +2,7 @@
 
 Every store opened on the same name in one process sees the same objects, so a syncer and learners
 running as threads share a bucket; a unique name per test keeps tests apart. One process-wide
-lock makes create and CAS atomic; the version token is the sha256 of the content.
+lock makes create and CAS atomic; the version token is the BLAKE3 of the content.
 """
 
 from __future__ import annotations

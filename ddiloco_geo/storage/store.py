@@ -18,8 +18,8 @@ Operations and their semantics::
 
 How each backend provides the two conditional writes:
 
-* local: create = temp file + fsync + ``os.link``; CAS = ``flock`` + sha256 compare + ``os.replace``.
-* memory: fsspec's MemoryFileSystem under one process-wide lock; token = sha256 of the content.
+* local: create = temp file + fsync + ``os.link``; CAS = ``flock`` + BLAKE3 compare + ``os.replace``.
+* memory: fsspec's MemoryFileSystem under one process-wide lock; token = BLAKE3 of the content.
 * s3: PutObject with ``If-None-Match: *`` (create) or ``If-Match: <ETag>`` (CAS); token = ETag.
 * gcs: single-request (multipart) upload with ``ifGenerationMatch=0`` or ``=<generation>``;
   token = generation.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
@@ -142,7 +143,7 @@ def test_header_round_trips():
     # read_header needs only the header's bytes, e.g. from a ranged GET
     assert codec.read_header(data[: codec.header_span(data)]) == header
     with meta_reader(data) as m:  # the object is a plain safetensors file
-        assert m["ddiloco.format"] == "1" and m["codec"] == "int4" and m["block_size"] == "64"
+        assert m["ddiloco.format"] == str(codec.FORMAT_VERSION) == "2" and m["codec"] == "int4" and m["block_size"] == "64"
 
 
 class meta_reader:
@@ -251,7 +252,7 @@ def with_meta(data: bytes, **changes) -> bytes:
 
 def forge(stored: dict[str, torch.Tensor], name: str, shape, codec_name: str, bs: int = 0) -> bytes:
     """A well-formed object with a correct checksum around arbitrary stored tensors."""
-    meta = {"ddiloco.format": "1", "kind": "delta", "run_id": "run-1", "learner": "", "clock": "{}",
+    meta = {"ddiloco.format": str(codec.FORMAT_VERSION), "kind": "delta", "run_id": "run-1", "learner": "", "clock": "{}",
             "codec": codec_name, "extra": "{}", "shapes": json.dumps({name: list(shape)}),
             "dtypes": json.dumps({name: "float32"}), "checksum": codec.checksum_of(stored),
             "fragment": "0", "seq": "0", "base_version": "0", "version": "-1", "num_steps": "1",
@@ -317,8 +318,25 @@ def test_foreign_safetensors_files():
     assert err.value.reason == "foreign"
 
 
-def test_unknown_format_version():
-    assert reason_of(with_meta(valid(), **{"ddiloco.format": "2"})) == "version"
+@pytest.mark.parametrize("fmt", ["0", "3", "", "02", "2 "])
+def test_unknown_format_version(fmt):
+    assert reason_of(with_meta(valid(), **{"ddiloco.format": fmt})) == "version"
+
+
+def test_format_1_objects_are_read_with_their_sha256_checksum():
+    """Format 2 changed only the checksum's hash (SHA-256 -> BLAKE3): a format-1 object, as written
+    before, still decodes; each format's checksum is refused under the other's label."""
+    data = valid()
+    stored = safetensors.torch.load(data)
+    assert codec.checksum_of(stored, 1) == hashlib.sha256(
+        b"".join(stored[k].contiguous().view(torch.uint8).numpy().tobytes() for k in sorted(stored))).hexdigest()
+    old = with_meta(data, **{"ddiloco.format": "1", "checksum": codec.checksum_of(stored, 1)})
+    header, tensors = codec.decode(old)
+    assert header.format == 1 and codec.decode(data)[0].format == 2
+    for name, t in codec.decode(data)[1].items():
+        assert torch.equal(tensors[name], t)
+    assert reason_of(with_meta(data, **{"ddiloco.format": "1"})) == "checksum"
+    assert reason_of(with_meta(data, checksum=codec.checksum_of(stored, 1))) == "checksum"
 
 
 @pytest.mark.parametrize(

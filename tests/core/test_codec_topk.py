@@ -147,7 +147,7 @@ def forge(idx: list[int], codes: list[int], scales: list[float], numel: int, chu
         "topk:q": torch.tensor(list(_pack(codes, 2)), dtype=torch.uint8),
         "topk:scale": torch.tensor(scales, dtype=torch.float32),
     }
-    meta = {"ddiloco.format": "1", "kind": "delta", "run_id": "run-1", "learner": "", "clock": "{}",
+    meta = {"ddiloco.format": str(codec.FORMAT_VERSION), "kind": "delta", "run_id": "run-1", "learner": "", "clock": "{}",
             "codec": "topk", "extra": "{}", "shapes": json.dumps({"w": [numel]}),
             "dtypes": json.dumps({"w": "float32"}), "checksum": codec.checksum_of(stored),
             "fragment": "0", "seq": "0", "base_version": "0", "version": "-1", "num_steps": "1",

@@ -283,6 +283,20 @@ def test_tampered_tensor_byte_is_checksum_and_re_hashed_tensor_is_bad_signature(
 
 
 @pytest.mark.unit
+def test_relabelled_format_version_is_bad_signature():
+    """The format version is signed: a signed format-2 object relabelled as format 1 with the
+    SHA-256 checksum format 1 uses (so it passes the checksum) is refused, not read in format 1."""
+    meta, body = split(signed("a"))
+    stored = {name: torch.frombuffer(bytearray(body[e["data_offsets"][0]:e["data_offsets"][1]]),
+                                     dtype=torch.float32).view(e["shape"])
+              for name, e in meta.items() if name != "__metadata__"}  # fmt: skip
+    meta["__metadata__"]["ddiloco.format"] = "1"
+    meta["__metadata__"]["checksum"] = codec.checksum_of(stored, 1)
+    assert reason_of(join(meta, body), verify=VERIFIER) == "bad_signature"
+    assert codec.decode(join(meta, body))[0].format == 1  # a well-formed format-1 object otherwise
+
+
+@pytest.mark.unit
 def test_swapped_signature_is_bad_signature():
     a, b = split(signed("a")), split(codec.encode(tensors(), delta_header("a", seq=4),
                                                   signer=signing.signer_for(SECRET, "learner", "a")))
