@@ -14,6 +14,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 /* max |x| over a block as the largest of the magnitudes' bit patterns (IEEE order for non-negative
  * floats is integer order; vectorizes as an integer max). NaN's patterns lie above Inf's. A block of
@@ -107,13 +110,18 @@ void ddiloco_dequantize_int8(const int8_t *q, const float *scale, int64_t rows, 
 
 /* Top-k per row for the topk codec: the k values of largest magnitude in each row of `width`
  * values, ties toward the lower index, written as ascending int64 indices (k per row, k < width).
- * Exact and O(width) per row: a radix select over the magnitudes' bit patterns (IEEE order for
- * non-negative floats is integer order) finds the k-th largest pattern: a histogram of the exponent
- * byte in the pass that takes magnitudes, the values of the chosen exponent gathered, then three
- * more digits of the mantissa (8, 8, 7 bits) among those only; a last scan takes every larger value
- * and the first of the equal ones. Returns 1 if a row holds NaN or Inf, 2 for a width over 4096
- * or k outside [1, width). */
+ * Exact and O(width) per row. Magnitudes are compared as bit patterns (IEEE order for non-negative
+ * floats is integer order). Each row is first bounded from below: by 0.85 of the previous row's
+ * k-th largest when that bound gathered few enough values (rows of one tensor look alike), else by
+ * an evenly spaced sample of 256 values at the rank that about 2k of the row reach. One branch-free
+ * pass (AVX2 where the compiler has it) checks for NaN/Inf and gathers, in index order, the values
+ * at or above the bound. When at least k were gathered the k largest of the row are all among
+ * them, ties included, so the selection runs on those alone; otherwise on the whole row. The
+ * selection (`kth_largest`) finds the k-th largest pattern, and a last scan in index order takes
+ * every larger value and the first of the equal ones, so the result never depends on the bound.
+ * Returns 1 if a row holds NaN or Inf, 2 for a width over 4096 or k outside [1, width). */
 #define TOPK_MAX_WIDTH 4096 /* the codec's largest chunk (12-bit indices) */
+#define TOPK_SAMPLE 256
 
 static inline int pick_bin(const int32_t *hist, int top, int64_t *need) {
     int bin = top;
@@ -121,42 +129,127 @@ static inline int pick_bin(const int32_t *hist, int top, int64_t *need) {
     return bin;
 }
 
+/* The k-th largest of the n patterns in `mag` (1 <= k <= n); *need is set to how many of the
+ * values equal to it are among the k largest. A radix select on the values' offsets from the
+ * smallest: a 256-bin histogram of the top 8 bits of the range picks the bin the k-th largest lies
+ * in, its values are gathered into `cand` (scratch of n entries), and so on until at most 16 are
+ * left, which are sorted. */
+static uint32_t kth_largest(const uint32_t *mag, int64_t n, int64_t k, uint32_t *cand, int64_t *need) {
+    const uint32_t *set = mag;
+    *need = k;
+    for (;;) {
+        uint32_t lo = set[0], hi = set[0];
+        for (int64_t j = 1; j < n; j++) {
+            lo = set[j] < lo ? set[j] : lo;
+            hi = set[j] > hi ? set[j] : hi;
+        }
+        if (lo == hi) return lo;
+        if (n <= 16) {
+            uint32_t s[16];
+            for (int64_t j = 0; j < n; j++) { /* insertion sort, largest first */
+                int64_t i = j;
+                for (; i > 0 && s[i - 1] < set[j]; i--) s[i] = s[i - 1];
+                s[i] = set[j];
+            }
+            const uint32_t v = s[*need - 1];
+            int64_t equal = 0;
+            for (int64_t i = 0; i < *need; i++) equal += (s[i] == v);
+            *need = equal;
+            return v;
+        }
+        const int bits = 32 - __builtin_clz(hi - lo), shift = bits > 8 ? bits - 8 : 0;
+        int32_t hist[256] = {0};
+        for (int64_t j = 0; j < n; j++) hist[(set[j] - lo) >> shift]++;
+        const uint32_t bin = (uint32_t)pick_bin(hist, 255, need);
+        int64_t m = 0;
+        for (int64_t j = 0; j < n; j++) /* in place from the second round on: m <= j */
+            if (((set[j] - lo) >> shift) == bin) cand[m++] = set[j];
+        set = cand;
+        n = m;
+    }
+}
+
+static inline uint32_t magnitude(const float *x) {
+    uint32_t u;
+    memcpy(&u, x, sizeof u);
+    return u & 0x7fffffffu;
+}
+
+/* Gather the patterns (into `mag`) and indices (into `idx`; both of width + 8 entries) of the row's
+ * values at or above `bound`, in index order; return how many, and set *bad if one is NaN or Inf. */
+static int64_t gather_at_least(const float *xr, int64_t width, uint32_t bound, const uint8_t *lut,
+                               uint32_t *mag, int32_t *idx, uint32_t *bad) {
+    int64_t nc = 0, j = 0;
+#ifdef __AVX2__
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), finite = _mm256_set1_epi32(0x7f7fffff);
+    const __m256i below = _mm256_set1_epi32((int32_t)bound - 1), step = _mm256_set1_epi32(8);
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), badv = _mm256_setzero_si256();
+    for (; j + 8 <= width; j += 8) { /* patterns are < 2^31, so the signed compares order them */
+        const __m256i u = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xr + j)), absmask);
+        badv = _mm256_or_si256(badv, _mm256_cmpgt_epi32(u, finite));
+        const int m = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(u, below)));
+        /* always store the kept lanes packed to the front, then advance: a branch would mispredict */
+        const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(lut + 8 * m)));
+        _mm256_storeu_si256((__m256i *)(mag + nc), _mm256_permutevar8x32_epi32(u, perm));
+        _mm256_storeu_si256((__m256i *)(idx + nc), _mm256_permutevar8x32_epi32(lane, perm));
+        nc += __builtin_popcount((unsigned)m);
+        lane = _mm256_add_epi32(lane, step);
+    }
+    *bad |= (uint32_t)!_mm256_testz_si256(badv, badv);
+#else
+    (void)lut;
+#endif
+    for (; j < width; j++) { /* branch-free too: always store, advance when kept */
+        const uint32_t u = magnitude(&xr[j]);
+        *bad |= (u >= 0x7f800000u);
+        idx[nc] = (int32_t)j;
+        mag[nc] = u;
+        nc += (u >= bound);
+    }
+    return nc;
+}
+
 int ddiloco_topk_rows(const float *x, int64_t rows, int64_t width, int64_t k, int64_t *out) {
-    uint32_t mag[TOPK_MAX_WIDTH], cand[TOPK_MAX_WIDTH];
+    uint32_t mag[TOPK_MAX_WIDTH + 8], scratch[TOPK_MAX_WIDTH], sample[TOPK_SAMPLE];
+    int32_t idx[TOPK_MAX_WIDTH + 8];
+    uint8_t lut[256 * 8]; /* for each 8-bit mask, the lanes it keeps, first to last */
     if (width > TOPK_MAX_WIDTH || k < 1 || k >= width) return 2;
-    static const int shifts[3] = {15, 7, 0}, widths[3] = {8, 8, 7};
+    for (int m = 0; m < 256; m++) {
+        int n = 0;
+        for (int b = 0; b < 8; b++)
+            if (m >> b & 1) lut[8 * m + n++] = (uint8_t)b;
+        while (n < 8) lut[8 * m + n++] = 0;
+    }
+    const int64_t ns = width >= 4 * TOPK_SAMPLE ? TOPK_SAMPLE : 0, stride = ns ? width / ns : 0;
+    const int64_t ks = ns ? (2 * k * ns + width - 1) / width + 4 : 0; /* ~2k of the row reach it */
+    uint32_t reuse = 0; /* 0, or the bound the previous row leaves */
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * width;
-        int32_t hist[256] = {0};
-        uint32_t bad = 0;
-        for (int64_t j = 0; j < width; j++) {
-            uint32_t u;
-            memcpy(&u, &xr[j], sizeof u);
-            u &= 0x7fffffffu;
-            mag[j] = u;
-            bad |= (u >= 0x7f800000u);
-            hist[u >> 23]++;
+        int64_t *o = out + r * k, n = 0, need;
+        uint32_t bad = 0, bound = reuse;
+        if (!bound && ks && ks <= ns) {
+            for (int64_t i = 0; i < ns; i++) sample[i] = magnitude(&xr[i * stride]);
+            bound = kth_largest(sample, ns, ks, scratch, &need);
         }
+        int64_t nc = gather_at_least(xr, width, bound, lut, mag, idx, &bad);
         if (bad) return 1;
-        int64_t need = k; /* how many of the values matching prefix/mask are still to be taken */
-        const uint32_t exponent = (uint32_t)pick_bin(hist, 255, &need);
-        int64_t nc = 0;
-        for (int64_t j = 0; j < width; j++)
-            if ((mag[j] >> 23) == exponent) cand[nc++] = mag[j];
-        uint32_t prefix = exponent << 23, mask = 0xffu << 23;
-        for (int d = 0; d < 3; d++) {
-            const uint32_t digit = (1u << widths[d]) - 1u;
-            for (int b = 0; b < 256; b++) hist[b] = 0;
-            for (int64_t c = 0; c < nc; c++)
-                if ((cand[c] & mask) == prefix) hist[(cand[c] >> shifts[d]) & digit]++;
-            prefix |= (uint32_t)pick_bin(hist, (int)digit, &need) << shifts[d];
-            mask |= digit << shifts[d];
+        if (nc < k) { /* the bound was too high for this row: select over all of it */
+            for (int64_t j = 0; j < width; j++) {
+                idx[j] = (int32_t)j;
+                mag[j] = magnitude(&xr[j]);
+            }
+            nc = width;
         }
-        /* prefix is now the k-th largest magnitude; `need` of the values equal to it are kept */
-        int64_t *o = out + r * k, n = 0;
-        for (int64_t j = 0; j < width; j++) {
-            if (mag[j] > prefix || (mag[j] == prefix && need-- > 0)) o[n++] = j;
+        const uint32_t kth = kth_largest(mag, nc, k, scratch, &need);
+        reuse = 0;
+        if (nc <= 3 * k) {
+            float f;
+            memcpy(&f, &kth, sizeof f);
+            f *= 0.85f;
+            memcpy(&reuse, &f, sizeof reuse);
         }
+        for (int64_t c = 0; c < nc; c++)
+            if (mag[c] > kth || (mag[c] == kth && need-- > 0)) o[n++] = idx[c];
     }
     return 0;
 }

@@ -83,7 +83,10 @@ def select(flat: torch.Tensor, chunk: int, topk: int) -> tuple[torch.Tensor, tor
     numel = flat.numel()
     full = numel // chunk
     parts = []
-    rows = _CHUNK_ROWS if flat.device.type == "cpu" else max(1, full)
+    # torch's path goes _CHUNK_ROWS rows at a time (its abs() scratch stays in cache); the C kernel
+    # and accelerators take every full chunk at once
+    whole = flat.device.type != "cpu" or (chunk <= MAX_CHUNK and topk < chunk and native.usable(flat))
+    rows = max(1, full) if whole else _CHUNK_ROWS
     for start in range(0, full, rows):
         stop = min(full, start + rows)
         x2 = flat[start * chunk : stop * chunk].view(-1, chunk)
@@ -136,12 +139,10 @@ def _abs_scratch(x2: torch.Tensor) -> torch.Tensor:
 
 def scales_of(values: torch.Tensor, numel: int, chunk: int, topk: int) -> torch.Tensor:
     """float32 [num_chunks]: the mean |value| of each chunk's kept non-zero values (0 if none)."""
-    num_chunks = -(-numel // chunk)
-    owner = _owners(numel, chunk, topk, values.device)
-    mags = values.abs().double()
-    total = torch.zeros(num_chunks, dtype=torch.float64, device=values.device).index_add_(0, owner, mags)
-    count = torch.zeros(num_chunks, dtype=torch.float64, device=values.device)
-    count.index_add_(0, owner, (values != 0).double())
+    full, rest = divmod(numel, chunk)
+    kept = (values.abs().double(), (values != 0).double())
+    total, count = (torch.cat([v[: full * topk].view(full, topk).sum(dim=1), v[full * topk :].sum().view(-1)])
+                    if rest else v.view(full, topk).sum(dim=1) for v in kept)  # fmt: skip
     return (total / count.clamp(min=1)).float()
 
 

@@ -4,6 +4,7 @@ torch path on every block size and edge case, and optional (no compiler: the tor
 from __future__ import annotations
 
 import logging
+import platform
 import shutil
 
 import pytest
@@ -128,21 +129,35 @@ def test_a_failing_build_and_the_switch_leave_the_torch_path(monkeypatch, tmp_pa
         monkeypatch.undo()
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("width,k", [(2, 1), (7, 3), (128, 2), (1000, 999), (4096, 64), (4096, 1), (4096, 4095)])
-def test_topk_selection_matches_the_torch_path(monkeypatch, width, k):
-    """The radix select keeps the same indices as torch.topk with ties toward the lower index:
-    on random values, heavy ties (a few distinct values), zeros, signed zeros and subnormals."""
-    assert native.kernels() is not None
+def _topk_rows_cases(width: int, k: int) -> list[torch.Tensor]:
+    """Rows that exercise every path of the C selection: random values, heavy ties (a few distinct
+    values), zeros, signed zeros and subnormals; rows whose scale jumps (the bound the previous row
+    leaves is far too low, then far too high); rows whose evenly spaced sample sees only the small
+    values (the sampled bound is too high and the row is selected whole)."""
     gen = torch.Generator().manual_seed(width + k)
-    rows = [
+    jumps = torch.tensor([1.0, 1.0, 1e3, 1e3, 1e-3, 1e-3, 1.0, 0.0, 1.0, 1e-30, 1e30, 1.0])[:, None]
+    hidden = torch.randn(8, width, generator=gen) * 1e-3
+    stride = max(1, width // 256)
+    hidden[:, 1::stride] = torch.randn(8, len(range(1, width, stride)), generator=gen)  # off the sample
+    return [
         torch.randn(16, width, generator=gen),
         torch.randint(-3, 4, (16, width), generator=gen).float(),  # ties everywhere
         torch.randint(-3, 4, (16, width), generator=gen).float() * 1e-40,  # subnormal ties
         torch.zeros(2, width), -torch.zeros(2, width),
         torch.randn(4, width, generator=gen) * torch.logspace(-38, 38, width),
+        torch.randn(12, width, generator=gen) * jumps,
+        hidden,
     ]
-    for x2 in rows:
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("width,k", [(2, 1), (7, 3), (128, 2), (1000, 999), (4096, 64), (4096, 1), (4096, 4095),
+                                     (4096, 84), (4095, 84), (1024, 21), (1030, 300)])
+def test_topk_selection_matches_the_torch_path(monkeypatch, width, k):
+    """The C selection keeps the same indices as torch.topk with ties toward the lower index."""
+    assert native.kernels() is not None
+    gen = torch.Generator().manual_seed(width + k)
+    for x2 in _topk_rows_cases(width, k):
         got = sparse._top(x2.contiguous(), k)
         _torch_only(monkeypatch)
         want = sparse._top(x2.contiguous(), k)
@@ -152,6 +167,29 @@ def test_topk_selection_matches_the_torch_path(monkeypatch, width, k):
     bad[1, width // 2] = float("nan")
     with pytest.raises(CodecError):
         sparse._top(bad, k)
+
+
+@pytest.mark.slow
+def test_topk_selection_without_avx2_matches(monkeypatch, tmp_path):
+    """The kernels built for a baseline x86-64 (no AVX2: the scalar gather) select the same indices
+    as the build for this CPU. A compiler subprocess, so not the unit tier."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 path exists on x86-64 only; elsewhere the unit test covers the scalar one")
+    native_lib = native.kernels()
+    assert native_lib is not None
+    monkeypatch.setenv("DDILOCO_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", tuple("-march=x86-64" if f == "-march=native" else f for f in native.FLAGS))
+    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native, "_TRIED", False)
+    baseline = native.kernels()
+    assert baseline is not None and baseline is not native_lib
+    for width, k in [(4096, 84), (4095, 84), (1030, 300), (7, 3)]:
+        for x2 in _topk_rows_cases(width, k):
+            x2 = x2.contiguous()
+            monkeypatch.setattr(native, "_LIB", native_lib)
+            got = native.topk_rows(x2, k)
+            monkeypatch.setattr(native, "_LIB", baseline)
+            assert torch.equal(native.topk_rows(x2, k), got)
 
 
 @pytest.mark.unit
