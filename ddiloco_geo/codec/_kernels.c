@@ -297,3 +297,35 @@ int ddiloco_unpack_bits(const uint8_t *data, int64_t nbytes, int width, int64_t 
         if (data[p]) return 1;
     return 0;
 }
+
+/* The topk codec's decode, after the bit streams are unpacked: chunk c of the `numel` values
+ * (`chunk` wide, the last one `numel % chunk` if that is not 0) kept min(topk, its width) values;
+ * value i of the stream goes to out[c * chunk + local[i]] as level(codes[i]) * scale[c], level 0 for
+ * code 0, +1 for 1, -1 for 3, in float32 as the torch path computes it. `out` must hold zeros.
+ * Returns a bitmask of what is wrong (then `out` is partly written and must be dropped): 1 a
+ * reserved code (2), 2 an index outside its chunk, 4 indices not strictly ascending in a chunk. */
+int ddiloco_topk_scatter(const int64_t *local, const int64_t *codes, const float *scale, int64_t numel,
+                         int64_t chunk, int64_t topk, float *out) {
+    static const float level[4] = {0.0f, 1.0f, 0.0f, -1.0f};
+    const int64_t full = numel / chunk, rest = numel % chunk, chunks = full + (rest > 0);
+    int flags = 0;
+    int64_t i = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t width = c < full ? chunk : rest, kept = topk < width ? topk : width;
+        const float s = scale[c];
+        float *o = out + c * chunk;
+        int64_t prev = -1;
+        for (int64_t j = 0; j < kept; j++, i++) {
+            const int64_t l = local[i], q = codes[i] & 3;
+            flags |= (q == 2);
+            if (l < 0 || l >= width) {
+                flags |= 2;
+                continue;
+            }
+            flags |= (l <= prev) << 2;
+            prev = l;
+            o[l] = level[q] * s;
+        }
+    }
+    return flags;
+}

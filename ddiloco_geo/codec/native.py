@@ -104,6 +104,7 @@ def _load() -> ctypes.CDLL | None:
     lib.ddiloco_topk_rows.argtypes, lib.ddiloco_topk_rows.restype = [p, i64, i64, i64, p], ctypes.c_int
     lib.ddiloco_pack_bits.argtypes, lib.ddiloco_pack_bits.restype = [p, i64, ctypes.c_int, p, i64], None
     lib.ddiloco_unpack_bits.argtypes, lib.ddiloco_unpack_bits.restype = [p, i64, ctypes.c_int, i64, p], ctypes.c_int
+    lib.ddiloco_topk_scatter.argtypes, lib.ddiloco_topk_scatter.restype = [p, p, p, i64, i64, i64, p], ctypes.c_int
     return lib
 
 
@@ -165,3 +166,16 @@ def dequantize_rows(q2: torch.Tensor, scale: torch.Tensor, o2: torch.Tensor, cod
     fn = kernels().ddiloco_dequantize_int4 if codec == "int4" else kernels().ddiloco_dequantize_int8
     rows, bs = o2.shape
     fn(q2.data_ptr(), scale.data_ptr(), rows, bs, o2.data_ptr())
+
+
+def topk_scatter(local: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, numel: int, chunk: int,
+                 topk: int) -> int | torch.Tensor:
+    """``sparse.sparse_decode`` after unpacking (int64 ``local``/``codes``, float32 ``scale``): the flat
+    float32 values, or the kernel's bitmask (1 reserved code, 2 index outside its chunk, 4 not
+    ascending)."""
+    local, codes, scale = local.contiguous(), codes.contiguous(), scale.contiguous()
+    out = torch.zeros(numel, dtype=torch.float32)
+    rc = kernels().ddiloco_topk_scatter(local.data_ptr(), codes.data_ptr(), scale.data_ptr(), numel, chunk, topk,
+                                        out.data_ptr())
+    return out if rc == 0 else rc
+

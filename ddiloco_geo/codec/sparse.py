@@ -185,6 +185,10 @@ def sparsify(x: torch.Tensor, *, block_size: int = 0, topk: int = 0) -> torch.Te
 
 # --- decode --------------------------------------------------------------------------------------
 
+# What decode refuses, by the bit the C kernel reports it with (checked in this order by both paths).
+_MALFORMED = {1: "reserved 2-bit code 2 in the values", 2: "an index lies outside its chunk",
+              4: "indices are duplicated or not ascending within a chunk"}
+
 
 def sparse_decode(idx: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, chunk: int, topk: int,
                   numel: int) -> torch.Tensor:  # fmt: skip
@@ -193,17 +197,22 @@ def sparse_decode(idx: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, chunk
     kept = kept_count(numel, chunk, topk)
     local = unpack_bits(idx, index_bits(chunk), kept)
     codes = unpack_bits(q, 2, kept)
+    if scale.dtype == torch.float32 and scale.numel() == -(-numel // chunk) and native.usable(local, codes, scale):
+        out = native.topk_scatter(local, codes, scale, numel, chunk, topk)
+        if isinstance(out, torch.Tensor):
+            return out
+        raise CodecError("codec", next(why for bit, why in _MALFORMED.items() if out & bit))
     if bool((codes == 2).any()):
-        raise CodecError("codec", "reserved 2-bit code 2 in the values")
+        raise CodecError("codec", _MALFORMED[1])
     full, rest = divmod(numel, chunk)
     limit = torch.full((kept,), chunk, dtype=torch.long)
     if rest:
         limit[full * topk :] = rest
     if bool((local >= limit).any()):
-        raise CodecError("codec", "an index lies outside its chunk")
+        raise CodecError("codec", _MALFORMED[2])
     rows = [local[: full * topk].view(full, topk)] + ([local[full * topk :].view(1, -1)] if rest else [])
     if any(r.shape[1] > 1 and bool((r[:, 1:] <= r[:, :-1]).any()) for r in rows):
-        raise CodecError("codec", "indices are duplicated or not ascending within a chunk")
+        raise CodecError("codec", _MALFORMED[4])
     owner = _owners(numel, chunk, topk, torch.device("cpu"))
     out = torch.zeros(numel, dtype=torch.float32)
     out[owner * chunk + local] = _LEVELS[codes] * scale[owner]

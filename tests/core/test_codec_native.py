@@ -192,6 +192,57 @@ def test_topk_selection_without_avx2_matches(monkeypatch, tmp_path):
             assert torch.equal(native.topk_rows(x2, k), got)
 
 
+def _decode_both(monkeypatch, parts, chunk, topk, numel):
+    """sparse_decode's result (or CodecError message) from the kernel, then from the torch path."""
+    out = []
+    for use_native in (True, False):
+        if not use_native:
+            _torch_only(monkeypatch)
+        try:
+            out.append(sparse.sparse_decode(*parts, chunk, topk, numel))
+        except CodecError as exc:
+            out.append(exc.detail)
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("numel,chunk,topk", [(8_300, 4096, 84), (8192, 4096, 84), (50, 4096, 84), (1000, 7, 3),
+                                              (999, 16, 16), (0, 4096, 84)])
+def test_topk_decode_matches_the_torch_path(monkeypatch, numel, chunk, topk):
+    """The C scatter yields the torch path's values bit for bit (signed zeros and a negative scale
+    included), and refuses each malformed payload with the torch path's reason."""
+    gen = torch.Generator().manual_seed(numel + chunk)
+    x = torch.randn(numel, generator=gen)
+    x[::5] = 0.0
+    idx, q, scale = sparse.sparse_encode(x, chunk, topk)
+    got, want = _decode_both(monkeypatch, (idx, q, scale), chunk, topk, numel)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    if numel == 0:
+        return
+    negative = -scale  # not what an encoder writes, but well-formed bytes: both paths must agree
+    got, want = _decode_both(monkeypatch, (idx, q, negative), chunk, topk, numel)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    kept = sparse.kept_count(numel, chunk, topk)
+    local = sparse.unpack_bits(idx, sparse.index_bits(chunk), kept)
+    codes = sparse.unpack_bits(q, 2, kept)
+    width = min(chunk, numel)
+    bad_code = codes.clone()
+    bad_code[-1] = 2
+    swapped = local.clone()
+    if min(topk, width) > 1:
+        swapped[0], swapped[1] = local[1].item(), local[0].item()
+    outside = local.clone()
+    outside[-1] = numel % chunk or chunk  # the last chunk's width: one past its last index (masked to the
+    # index bits when the chunk is a power of two, then it reads as a repeated index instead)
+    for bad_local, bad_codes in [(local, bad_code), (swapped, codes), (outside, codes), (outside, bad_code)]:
+        if torch.equal(bad_local, local) and torch.equal(bad_codes, codes):
+            continue
+        parts = (sparse.pack_bits(bad_local, sparse.index_bits(chunk)), sparse.pack_bits(bad_codes, 2), scale)
+        got, want = _decode_both(monkeypatch, parts, chunk, topk, numel)
+        assert isinstance(want, str) and got == want
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 12, 13, 31])
 def test_bit_packing_matches_the_torch_path(monkeypatch, width):
