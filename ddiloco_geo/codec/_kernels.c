@@ -248,8 +248,12 @@ int ddiloco_topk_rows(const float *x, int64_t rows, int64_t width, int64_t k, in
             f *= 0.85f;
             memcpy(&reuse, &f, sizeof reuse);
         }
-        for (int64_t c = 0; c < nc; c++)
-            if (mag[c] > kth || (mag[c] == kth && need-- > 0)) o[n++] = idx[c];
+        for (int64_t c = 0; n < k; c++) { /* branch-free: a branch here mispredicts */
+            const int64_t eq = mag[c] == kth, take = (mag[c] > kth) | (eq & (need > 0));
+            need -= eq & take;
+            o[n] = idx[c];
+            n += take;
+        }
     }
     return 0;
 }

@@ -96,7 +96,7 @@ def select(flat: torch.Tensor, chunk: int, topk: int) -> tuple[torch.Tensor, tor
         tail = flat[full * chunk :].view(1, -1)
         parts.append(_top(tail, min(topk, tail.shape[1])) + full * chunk)
     pos = torch.cat([p.reshape(-1) for p in parts]) if parts else flat.new_zeros(0, dtype=torch.long)
-    return pos, flat[pos]
+    return pos, flat.index_select(0, pos)
 
 
 def _top(x2: torch.Tensor, k: int) -> torch.Tensor:
