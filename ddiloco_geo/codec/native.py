@@ -178,4 +178,3 @@ def topk_scatter(local: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     rc = kernels().ddiloco_topk_scatter(local.data_ptr(), codes.data_ptr(), scale.data_ptr(), numel, chunk, topk,
                                         out.data_ptr())
     return out if rc == 0 else rc
-
