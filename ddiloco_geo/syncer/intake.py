@@ -39,6 +39,9 @@ quote keys and details (``%r``): a newline in a key cannot forge a log line.
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 import json
 import logging
 import math
@@ -67,6 +70,21 @@ MAX_SEQ_AHEAD = 100_000
 MAX_JUNK_KEYS = 4096  # per learner: junk remembered so it is not fetched again
 MAX_BAD_PREFIXES = 4096
 POST_SIGNATURE_CODEC_REASONS = {"nonfinite"}  # codec checks that run after the signature verified
+
+# Deltas decode on their own pool, one thread per two usable cores (at least one): decoding is CPU
+# work that holds the interpreter lock for its Python parts, so more decoding threads than that
+# mostly contend for it (on 2 cores, with asyncio's default pool of 6 threads, a round of 96 int4
+# deltas cost 0.31-0.33 CPU-seconds against 0.26-0.28 with one thread; docs/benchmarks.md, Syncer
+# throughput). Fetches stay on asyncio's default pool: they wait on the network.
+DECODE_WORKERS = max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else 1
+_DECODE_POOL: ThreadPoolExecutor | None = None
+
+
+def _decode_pool() -> ThreadPoolExecutor:
+    global _DECODE_POOL
+    if _DECODE_POOL is None:
+        _DECODE_POOL = ThreadPoolExecutor(max_workers=DECODE_WORKERS, thread_name_prefix="ddiloco-syncer-decode")
+    return _DECODE_POOL
 
 
 @dataclass
@@ -226,11 +244,11 @@ class Intake:
         if len(data) > limit:
             return Fetched(CodecError("too_large", f"more than {limit} bytes for fragment {dk.fragment}"))
         try:
-            return Fetched(await asyncio.to_thread(
+            return Fetched(await asyncio.get_running_loop().run_in_executor(_decode_pool(), functools.partial(
                 codec.decode, data, kind="delta", run_id=self.spec.run_id, expect=self.plan.expect(dk.fragment),
                 verify=self.verifier, require_signature=self.require_signatures,
                 expected_signer=f"learner:{dk.learner}" if self.verifier is not None else None,
-            ))
+            )))
         except CodecError as exc:
             signed = None
             if exc.reason in POST_SIGNATURE_CODEC_REASONS and self.verifier is not None:
