@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
-from concurrent.futures import ThreadPoolExecutor
 import json
 import logging
 import math
+import os
 import time
 from collections import OrderedDict, defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
