@@ -14,7 +14,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && !defined(DDILOCO_SCALAR) /* -DDDILOCO_SCALAR builds the portable code only */
+#define DDILOCO_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -180,7 +181,7 @@ static inline uint32_t magnitude(const float *x) {
 static int64_t gather_at_least(const float *xr, int64_t width, uint32_t bound, const uint8_t *lut,
                                uint32_t *mag, int32_t *idx, uint32_t *bad) {
     int64_t nc = 0, j = 0;
-#ifdef __AVX2__
+#ifdef DDILOCO_AVX2
     const __m256i absmask = _mm256_set1_epi32(0x7fffffff), finite = _mm256_set1_epi32(0x7f7fffff);
     const __m256i below = _mm256_set1_epi32((int32_t)bound - 1), step = _mm256_set1_epi32(8);
     __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), badv = _mm256_setzero_si256();
