@@ -138,7 +138,8 @@ def parse_metadata(entries: dict[str, Any]) -> Header:
     fmt = next((v for v in READABLE_FORMATS if meta[FORMAT_KEY] == str(v)), None)
     if fmt is None:
         raise CodecError("version", f"format {meta[FORMAT_KEY][:20]!r}, this reader knows "
-                                    f"{', '.join(map(str, READABLE_FORMATS))}")  # fmt: skip
+                                    f"{', '.join(map(str, READABLE_FORMATS))}: an object from a newer "
+                                    "ddiloco-geo, so upgrade this process to the release that wrote it")  # fmt: skip
 
     def text(key: str) -> str:
         if key not in meta:

@@ -85,8 +85,7 @@ def select(flat: torch.Tensor, chunk: int, topk: int) -> tuple[torch.Tensor, tor
     parts = []
     # torch's path goes _CHUNK_ROWS rows at a time (its abs() scratch stays in cache); the C kernel
     # and accelerators take every full chunk at once
-    whole = flat.device.type != "cpu" or (chunk <= MAX_CHUNK and topk < chunk and native.usable(flat))
-    rows = max(1, full) if whole else _CHUNK_ROWS
+    rows = max(1, full) if flat.device.type != "cpu" or native.usable(flat) else _CHUNK_ROWS
     for start in range(0, full, rows):
         stop = min(full, start + rows)
         x2 = flat[start * chunk : stop * chunk].view(-1, chunk)

@@ -321,6 +321,8 @@ def test_foreign_safetensors_files():
 @pytest.mark.parametrize("fmt", ["0", "3", "", "02", "2 "])
 def test_unknown_format_version(fmt):
     assert reason_of(with_meta(valid(), **{"ddiloco.format": fmt})) == "version"
+    with pytest.raises(CodecError, match="upgrade this process"):
+        codec.decode(with_meta(valid(), **{"ddiloco.format": fmt}))
 
 
 def test_format_1_objects_are_read_with_their_sha256_checksum():
