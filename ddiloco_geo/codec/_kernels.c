@@ -109,6 +109,18 @@ void ddiloco_dequantize_int8(const int8_t *q, const float *scale, int64_t rows, 
     }
 }
 
+/* What is wrong with a tensor's scales, as a bitmask: 1 if some scale * qmax is not finite (NaN,
+ * Inf, or a scale that would overflow), 2 if some scale is negative. One pass, no temporaries. */
+int ddiloco_check_scales(const float *s, int64_t n, float qmax) {
+    int nonfinite = 0, negative = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = s[j] * qmax;
+        nonfinite |= !(v - v == 0.0f); /* NaN for NaN and +-Inf */
+        negative |= s[j] < 0.0f;
+    }
+    return nonfinite | (negative << 1);
+}
+
 /* Top-k per row for the topk codec: the k values of largest magnitude in each row of `width`
  * values, ties toward the lower index, written as ascending int64 indices (k per row, k < width).
  * Exact and O(width) per row. Magnitudes are compared as bit patterns (IEEE order for non-negative
@@ -120,6 +132,9 @@ void ddiloco_dequantize_int8(const int8_t *q, const float *scale, int64_t rows, 
  * them, ties included, so the selection runs on those alone; otherwise on the whole row. The
  * selection (`kth_largest`) finds the k-th largest pattern, and a last scan in index order takes
  * every larger value and the first of the equal ones, so the result never depends on the bound.
+ * With `codes` and `scale` (else NULL) it also writes each kept value's 2-bit code (1 positive, 3
+ * negative, 0 zero) and each row's scale: the mean magnitude of its kept non-zero values, summed
+ * in float64 in index order, divided and rounded once to float32 (0 if it kept none).
  * Returns 1 if a row holds NaN or Inf, 2 for a width over 4096 or k outside [1, width). */
 #define TOPK_MAX_WIDTH 4096 /* the codec's largest chunk (12-bit indices) */
 #define TOPK_SAMPLE 256
@@ -210,7 +225,8 @@ static int64_t gather_at_least(const float *xr, int64_t width, uint32_t bound, c
     return nc;
 }
 
-int ddiloco_topk_rows(const float *x, int64_t rows, int64_t width, int64_t k, int64_t *out) {
+int ddiloco_topk_rows(const float *x, int64_t rows, int64_t width, int64_t k, int64_t *out, uint8_t *codes,
+                      float *scale) {
     uint32_t mag[TOPK_MAX_WIDTH + 8], scratch[TOPK_MAX_WIDTH], sample[TOPK_SAMPLE];
     int32_t idx[TOPK_MAX_WIDTH + 8];
     uint8_t lut[256 * 8]; /* for each 8-bit mask, the lanes it keeps, first to last */
@@ -254,6 +270,17 @@ int ddiloco_topk_rows(const float *x, int64_t rows, int64_t width, int64_t k, in
             need -= eq & take;
             o[n] = idx[c];
             n += take;
+        }
+        if (codes) { /* the codec's codes and scale while the row is in cache (see sparse.py) */
+            double sum = 0.0;
+            int64_t nonzero = 0;
+            for (int64_t j = 0; j < k; j++) { /* branch-free: the signs are random */
+                const float v = xr[o[j]];
+                codes[r * k + j] = (uint8_t)((v > 0.0f) | (3 * (v < 0.0f)));
+                sum += fabs((double)v); /* a zero adds +0: the sum is that of the non-zeros */
+                nonzero += v != 0.0f;
+            }
+            scale[r] = nonzero ? (float)(sum / (double)nonzero) : 0.0f;
         }
     }
     return 0;
@@ -303,10 +330,114 @@ int ddiloco_unpack_bits(const uint8_t *data, int64_t nbytes, int width, int64_t 
     return 0;
 }
 
+/* Rice-coded indices (the topk codec from wire format 3): chunk c kept counts[c] ascending indices
+ * below limits[c]; each is coded as its gap g (the first index, then the distance to the previous
+ * one minus 1) as g >> r one-bits, a zero bit, then the low r bits of g, least significant first,
+ * in one little-endian bit stream over all chunks, zero-padded to a whole byte. `out` holds
+ * `cap` + 8 bytes (whole words are stored); returns the stream's length, or -1 if it would be
+ * longer than `cap` (indices not ascending or outside their chunks). */
+int64_t ddiloco_rice_encode(const int64_t *local, const int32_t *counts, int64_t nchunks, int r, uint8_t *out,
+                            int64_t cap) {
+    uint64_t acc = 0;
+    int bits = 0; /* pending bits in acc, fewer than 8 between codes */
+    int64_t o = 0, i = 0;
+    const uint64_t low = (1ull << r) - 1ull;
+#define RICE_FLUSH()                                 \
+    do {                                             \
+        if (o > cap) return -1;                      \
+        memcpy(out + o, &acc, 8);                    \
+        o += bits >> 3;                              \
+        acc = (bits >> 3) == 8 ? 0 : acc >> (bits & ~7); \
+        bits &= 7;                                   \
+    } while (0)
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t prev = -1;
+        for (int32_t j = 0; j < counts[c]; j++, i++) {
+            const uint64_t g = (uint64_t)(local[i] - prev - 1);
+            prev = local[i];
+            uint64_t q = g >> r;
+            for (; q >= 32; q -= 32) { /* long unary parts, 32 ones at a time */
+                acc |= 0xffffffffull << bits;
+                bits += 32;
+                RICE_FLUSH();
+            }
+            acc |= ((1ull << q) - 1ull) << bits; /* q ones, then the zero */
+            bits += (int)q + 1;
+            acc |= (g & low) << bits;
+            bits += r;
+            RICE_FLUSH();
+        }
+    }
+#undef RICE_FLUSH
+    if (bits > 0) o++; /* the last partial byte, already stored */
+    return o > cap ? -1 : o;
+}
+
+/* Up to 64 stream bits from bit p on (zeros past the end). */
+static inline uint64_t peek_bits(const uint8_t *d, int64_t nbytes, int64_t p) {
+    const int64_t b = p >> 3;
+    uint64_t w = 0;
+    if (b + 8 <= nbytes)
+        memcpy(&w, d + b, 8);
+    else
+        for (int64_t k = 0; b + k < nbytes; k++) w |= (uint64_t)d[b + k] << (8 * k);
+    return w >> (p & 7); /* at least 57 bits of the stream, where it has them */
+}
+
+/* The inverse, defensive, reading the stream in order and reporting the first fault: 2 when an
+ * index (or already its unary part) reaches its chunk's limit, 8 when the stream ends before the
+ * last index, then 1 if bits after the last index are set or whole bytes follow it; else 0. */
+int ddiloco_rice_decode(const uint8_t *data, int64_t nbytes, const int32_t *counts, const int32_t *limits,
+                        int64_t nchunks, int r, int64_t *out) {
+    const int64_t total = nbytes * 8;
+    const uint64_t low = (1ull << r) - 1ull;
+    int64_t p = 0, i = 0; /* p: the next bit of the stream */
+    uint64_t w = 0;       /* the stream from bit p on (zeros past its end) */
+    int avail = 0;        /* how many bits of w are known: codes are read from it while they fit */
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t prev = -1;
+        const int64_t limit = limits[c], qmax = (limit - 1) >> r; /* a larger unary part leaves the chunk */
+        for (int32_t j = 0; j < counts[c]; j++, i++) {
+            if (avail < 2 * r + 8) w = peek_bits(data, nbytes, p), avail = 57;
+            const int ones = w == ~0ull ? 64 : __builtin_ctzll(~w);
+            if (ones + 1 + r <= avail) { /* the usual case: the whole code lies in the window */
+                const int len = ones + 1 + r;
+                if (ones > qmax) return 2;
+                if (p + len > total) return 8;
+                const int64_t v = prev + 1 + ((int64_t)ones << r) + (int64_t)((w >> (ones + 1)) & low);
+                p += len, w >>= len, avail -= len;
+                if (v >= limit) return 2;
+                out[i] = prev = v;
+                continue;
+            }
+            avail = 0; /* a long unary part: read bit by bit from p, then refill */
+            int64_t q = 0;
+            for (;;) { /* the unary part: count one-bits (all within the stream) up to the zero */
+                const uint64_t w = peek_bits(data, nbytes, p);
+                const int ones = w == ~0ull ? 64 : __builtin_ctzll(~w);
+                const int run = ones < 57 ? ones : 56;
+                if (q + run > qmax) return 2;
+                q += run, p += run;
+                if (ones < 57) break;
+            }
+            if (p >= total) return 8; /* the zero lies past the end */
+            p += 1;
+            if (p + r > total) return 8;
+            const int64_t v = prev + 1 + (q << r) + (int64_t)(peek_bits(data, nbytes, p) & low);
+            p += r;
+            if (v >= limit) return 2;
+            out[i] = prev = v;
+        }
+    }
+    if (total - p >= 8) return 1; /* a whole byte after the last index */
+    return p < total && (data[nbytes - 1] >> (p & 7)) ? 1 : 0;
+}
+
 /* The topk codec's decode, after the bit streams are unpacked: chunk c of the `numel` values
  * (`chunk` wide, the last one `numel % chunk` if that is not 0) kept min(topk, its width) values;
  * value i of the stream goes to out[c * chunk + local[i]] as level(codes[i]) * scale[c], level 0 for
- * code 0, +1 for 1, -1 for 3, in float32 as the torch path computes it. `out` must hold zeros.
+ * code 0, +1 for 1, -1 for 3, in float32 as the torch path computes it; every other value of `out`
+ * is set to zero.
  * Returns a bitmask of what is wrong (then `out` is partly written and must be dropped): 1 a
  * reserved code (2), 2 an index outside its chunk, 4 indices not strictly ascending in a chunk. */
 int ddiloco_topk_scatter(const int64_t *local, const int64_t *codes, const float *scale, int64_t numel,
@@ -319,6 +450,7 @@ int ddiloco_topk_scatter(const int64_t *local, const int64_t *codes, const float
         const int64_t width = c < full ? chunk : rest, kept = topk < width ? topk : width;
         const float s = scale[c];
         float *o = out + c * chunk;
+        memset(o, 0, (size_t)width * sizeof *o); /* zeros, then the kept values, while the chunk is in cache */
         int64_t prev = -1;
         for (int64_t j = 0; j < kept; j++, i++) {
             const int64_t l = local[i], q = codes[i] & 3;

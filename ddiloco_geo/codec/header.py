@@ -1,8 +1,8 @@
-"""The wire header (format version 2): the ``Header`` dataclass and its metadata fields.
+"""The wire header (format version 3): the ``Header`` dataclass and its metadata fields.
 
 The header lives in safetensors' ``__metadata__`` (``dict[str, str]``)::
 
-    ddiloco.format  "2"                       (FORMAT_VERSION; a reader also reads "1", refuses others)
+    ddiloco.format  "3"                       (FORMAT_VERSION; a reader also reads "1" and "2", refuses others)
     kind            delta | global | update | state | checkpoint
     run_id, learner, fragment, seq, base_version, version, num_steps, num_tokens
     clock           VectorClock JSON
@@ -10,15 +10,19 @@ The header lives in safetensors' ``__metadata__`` (``dict[str, str]``)::
     block_size      values per scale block ("0" for fp32/bf16; the chunk C for topk)
     topk            (topk objects only) values kept per chunk; absent for every other codec, so
                     objects of the older codecs are byte for byte what they were
-    shapes, dtypes  JSON {name: [dims]} and {name: "float32" | ...}: what decode restores
-    extra           one JSON object (merge record, data cursor, ...)
+    shapes          JSON {name: [dims]}: what decode restores (always as float32)
+    dtypes          JSON {name: "bfloat16" | ...}, the dtypes the tensors had before encoding; absent
+                    when every one was float32 (format 3; formats 1 and 2 always write it)
+    extra           one JSON object (merge record, data cursor, ...); absent when empty (format 3)
     checksum        BLAKE3 hex (format 1: SHA-256) over the raw bytes of every stored tensor, in sorted
                     key order
     signer          (signed objects only) key id: "learner:<id>" or "syncer"
     signature       (signed objects only) hex HMAC-SHA256 over every other metadata field
 
 The fields are a frozen surface: a change of meaning needs a new ``FORMAT_VERSION`` (2 changed the
-checksum's hash; format-1 objects are still read, ``Header.format`` says which). Writing
+checksum's hash; 3 leaves out ``dtypes`` and ``extra`` where they say nothing: in a top-k delta of a
+small fragment they were a tenth of the object's bytes). Objects of formats 1 and 2 are still read,
+``Header.format`` says which. Writing
 (``check_header``, ``header_metadata``) raises ValueError for a header that could not be read back;
 reading (``parse_metadata``) raises ``CodecError``: ``foreign`` (no metadata, or no format key),
 ``version`` (another format version) or ``bad_header`` (a missing or malformed field). This module
@@ -38,8 +42,9 @@ from ddiloco_geo.core.errors import CodecError
 from ddiloco_geo.core.layout import ID_PATTERN
 from ddiloco_geo.core.signing import SIGNER_FIELD
 
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
+DEFAULT_DTYPE = "float32"  # format 3 leaves out ``dtypes`` when every tensor had it
 FORMAT_KEY = "ddiloco.format"
 KINDS = ("delta", "global", "update", "state", "checkpoint")
 INT_FIELDS = ("fragment", "seq", "base_version", "version", "num_steps", "num_tokens", "block_size")
@@ -107,15 +112,17 @@ def header_metadata(
         "learner": h.learner,
         "clock": h.clock.to_json(),
         "codec": codec,
-        "extra": _json(h.extra),
         "shapes": _json(shapes),
-        "dtypes": _json(dtypes),
         "checksum": checksum,
         **{f: str(getattr(h, f)) for f in INT_FIELDS},
         "block_size": str(block_size),
     }
     if codec == "topk":
         meta["topk"] = str(topk)
+    if h.extra:
+        meta["extra"] = _json(h.extra)
+    if any(d != DEFAULT_DTYPE for d in dtypes.values()):
+        meta["dtypes"] = _json(dtypes)
     return meta
 
 
@@ -152,7 +159,10 @@ def parse_metadata(entries: dict[str, Any]) -> Header:
             raise CodecError("bad_header", f"header field {key!r}={value[:30]!r} is not an integer >= -1")
         return int(value)
 
-    def obj(key: str) -> Any:
+    def obj(key: str, default: Any = None) -> Any:
+        """A JSON field; from format 3 on, ``default`` where the writer left it out."""
+        if default is not None and fmt >= 3 and key not in meta:
+            return default
         try:
             return json.loads(text(key))
         except (ValueError, RecursionError) as exc:
@@ -167,7 +177,8 @@ def parse_metadata(entries: dict[str, Any]) -> Header:
         clock = VectorClock.from_json(text("clock"))
     except CodecError as exc:
         raise CodecError("bad_header", f"header field 'clock': {exc.detail}") from None
-    extra, shapes, dtypes = obj("extra"), obj("shapes"), obj("dtypes")
+    extra, shapes = obj("extra", {}), obj("shapes")
+    dtypes = obj("dtypes", dict.fromkeys(shapes, DEFAULT_DTYPE) if isinstance(shapes, dict) else {})
     if not isinstance(extra, dict):
         raise CodecError("bad_header", "header field 'extra' is not a JSON object")
     if not isinstance(shapes, dict) or not all(is_int_list(s, 0) for s in shapes.values()):

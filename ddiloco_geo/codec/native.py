@@ -101,9 +101,12 @@ def _load() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes, getattr(lib, name).restype = [p, i64, i64, p, p], ctypes.c_int
     for name in ("ddiloco_dequantize_int4", "ddiloco_dequantize_int8"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [p, p, i64, i64, p], None
-    lib.ddiloco_topk_rows.argtypes, lib.ddiloco_topk_rows.restype = [p, i64, i64, i64, p], ctypes.c_int
+    lib.ddiloco_check_scales.argtypes, lib.ddiloco_check_scales.restype = [p, i64, ctypes.c_float], ctypes.c_int
+    lib.ddiloco_topk_rows.argtypes, lib.ddiloco_topk_rows.restype = [p, i64, i64, i64, p, p, p], ctypes.c_int
     lib.ddiloco_pack_bits.argtypes, lib.ddiloco_pack_bits.restype = [p, i64, ctypes.c_int, p, i64], None
     lib.ddiloco_unpack_bits.argtypes, lib.ddiloco_unpack_bits.restype = [p, i64, ctypes.c_int, i64, p], ctypes.c_int
+    lib.ddiloco_rice_encode.argtypes, lib.ddiloco_rice_encode.restype = [p, p, i64, ctypes.c_int, p, i64], i64
+    lib.ddiloco_rice_decode.argtypes, lib.ddiloco_rice_decode.restype = [p, i64, p, p, i64, ctypes.c_int, p], ctypes.c_int
     lib.ddiloco_topk_scatter.argtypes, lib.ddiloco_topk_scatter.restype = [p, p, p, i64, i64, i64, p], ctypes.c_int
     return lib
 
@@ -134,15 +137,24 @@ def quantize_rows(x2: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, co
     fn(x2.data_ptr(), rows, bs, q_out.data_ptr(), s_out.data_ptr())
 
 
-def topk_rows(x2: torch.Tensor, k: int) -> torch.Tensor | None:
+def check_scales(scale: torch.Tensor, qmax: float) -> int:
+    """``quantize.scale_problems`` for a contiguous float32 CPU tensor."""
+    return kernels().ddiloco_check_scales(scale.data_ptr(), scale.numel(), qmax)
+
+
+def topk_rows(x2: torch.Tensor, k: int, *, codes: bool = False):
     """Ascending indices (int64 [rows, k]) of the k largest |x| in each row of the float32 ``x2``,
-    ties toward the lower index (k < row width); None if a row holds NaN or Inf."""
+    ties toward the lower index (k < row width); None if a row holds NaN or Inf. With ``codes``:
+    (indices, the kept values' 2-bit codes as uint8 [rows, k], the rows' float32 scales), the topk
+    codec's parts (``sparse.sparse_encode``) from the same pass."""
     rows, width = x2.shape
     out = torch.empty((rows, k), dtype=torch.long)
-    rc = kernels().ddiloco_topk_rows(x2.data_ptr(), rows, width, k, out.data_ptr())
+    parts = (torch.empty((rows, k), dtype=torch.uint8), torch.empty(rows, dtype=torch.float32)) if codes else ()
+    rc = kernels().ddiloco_topk_rows(x2.data_ptr(), rows, width, k, out.data_ptr(),
+                                     *((t.data_ptr() for t in parts) if codes else (None, None)))  # fmt: skip
     if rc == 2:
         raise ValueError(f"topk_rows: a row of {width} values keeping {k} (at most 4096, 1 <= k < width)")
-    return out if rc == 0 else None
+    return None if rc else (out, *parts) if codes else out
 
 
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -161,6 +173,26 @@ def unpack_bits(data: torch.Tensor, width: int, count: int) -> int | torch.Tenso
     return out if rc == 0 else rc
 
 
+def rice_encode(local: torch.Tensor, counts: torch.Tensor, r: int, cap: int) -> torch.Tensor:
+    """``sparse.pack_indices``: int64 ``local``, int32 ``counts`` per chunk; at most ``cap`` bytes."""
+    local, counts = local.contiguous(), counts.contiguous()
+    out = torch.empty(cap + 8, dtype=torch.uint8)
+    n = kernels().ddiloco_rice_encode(local.data_ptr(), counts.data_ptr(), counts.numel(), r, out.data_ptr(), cap)
+    if n < 0:
+        raise ValueError(f"rice_encode: indices out of their chunks (more than {cap} bytes)")
+    return out[:n].clone()
+
+
+def rice_decode(data: torch.Tensor, counts: torch.Tensor, limits: torch.Tensor, r: int) -> int | torch.Tensor:
+    """``sparse.unpack_indices``: the int64 indices, or the kernel's code (1 trailing bits or bytes,
+    2 an index outside its chunk, 8 the stream ends early)."""
+    data, counts, limits = data.contiguous(), counts.contiguous(), limits.contiguous()
+    out = torch.empty(int(counts.sum()), dtype=torch.int64)
+    rc = kernels().ddiloco_rice_decode(data.data_ptr(), data.numel(), counts.data_ptr(), limits.data_ptr(),
+                                       counts.numel(), r, out.data_ptr())
+    return out if rc == 0 else rc
+
+
 def dequantize_rows(q2: torch.Tensor, scale: torch.Tensor, o2: torch.Tensor, codec: str) -> None:
     """The float32 rows ``o2`` that ``q2`` and ``scale`` encode."""
     fn = kernels().ddiloco_dequantize_int4 if codec == "int4" else kernels().ddiloco_dequantize_int8
@@ -174,7 +206,7 @@ def topk_scatter(local: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     float32 values, or the kernel's bitmask (1 reserved code, 2 index outside its chunk, 4 not
     ascending)."""
     local, codes, scale = local.contiguous(), codes.contiguous(), scale.contiguous()
-    out = torch.zeros(numel, dtype=torch.float32)
+    out = torch.empty(numel, dtype=torch.float32)  # the kernel writes every value
     rc = kernels().ddiloco_topk_scatter(local.data_ptr(), codes.data_ptr(), scale.data_ptr(), numel, chunk, topk,
                                         out.data_ptr())
     return out if rc == 0 else rc

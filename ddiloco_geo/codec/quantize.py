@@ -18,10 +18,10 @@ Quantize only on the wire; decode always yields contiguous float32 of the origin
   MB), and a scale never rounds below the block's absmax (which would break the error bound).
 
 Rounding is round-to-nearest (no stochastic rounding). On CPU, int8/int4 run in fused C kernels
-(``native``: one pass per block, bit-identical) when a C compiler is there, else as whole-tensor
-torch ops; either way they run over cache-sized chunks with reused scratch buffers (fresh multi-MB temporaries
-cost page faults that dwarf the arithmetic), and the caller hashes each finished chunk while the
-next one is quantized. On an accelerator the same ops run on the device and only the quantized
+(``native``: one pass per block, bit-identical, the whole tensor in one call) when a C compiler is
+there, else as whole-tensor torch ops over cache-sized chunks with reused scratch buffers (fresh
+multi-MB temporaries cost page faults that dwarf the arithmetic). The caller hashes the codes as
+they are finished. On an accelerator the same ops run on the device and only the quantized
 bytes come back.
 """
 
@@ -64,6 +64,22 @@ def all_finite(t: torch.Tensor) -> bool:
     return t.numel() == 0 or (math.isfinite(float(t.amax())) and math.isfinite(float(t.amin())))
 
 
+NONFINITE_SCALE, NEGATIVE_SCALE = 1, 2
+
+
+def scale_problems(scale: torch.Tensor, qmax: float) -> int:
+    """A bitmask of what is wrong with float32 ``scale``: ``NONFINITE_SCALE`` if some ``scale * qmax``
+    is NaN or Inf (a NaN/Inf input, or a scale that would overflow), ``NEGATIVE_SCALE`` if some
+    scale is negative. One C pass over the scales where the kernels are there (two torch ops per
+    check cost more than the check on a fragment of many tensors)."""
+    if scale.numel() == 0:
+        return 0
+    if native.usable(scale):
+        return native.check_scales(scale, qmax)
+    return (0 if bool(torch.isfinite(scale * qmax).all()) else NONFINITE_SCALE) | (
+        NEGATIVE_SCALE if bool((scale < 0).any()) else 0)
+
+
 def store_float(x: torch.Tensor, codec: str, name: str) -> torch.Tensor:
     """``x`` as a contiguous CPU fp32/bf16 tensor; ``CodecError("nonfinite")`` on NaN/Inf."""
     y = x.to(device="cpu", dtype=torch.float32 if codec == "fp32" else torch.bfloat16)
@@ -77,8 +93,8 @@ def quantize_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise absmax quantization of a flat tensor: (q on CPU, float32 scales on CPU).
 
-    ``on_rows`` receives each finished run of q rows, in order (the checksum hashes them while the
-    next chunk is quantized)."""
+    ``on_rows`` receives each finished run of q rows, in order (the checksum hashes them): the whole
+    tensor's rows at once when the C kernels take it, chunk by chunk on the torch path."""
     qmax = QMAX[codec]
     width = block_size if codec == "int8" else block_size // 2
     numel = flat.numel()
@@ -89,8 +105,10 @@ def quantize_blocks(
         flat = flat.float()
     q = torch.empty((num_blocks, width), dtype=torch.int8, device=flat.device)
     scale = torch.empty(num_blocks, dtype=torch.float32, device=flat.device)
-    rows = max(1, _CHUNK_VALUES // block_size) if on_cpu else max(1, num_full)
-    scratch = _scratch(min(rows, max(1, num_full)), block_size, flat.device)
+    # The C kernels take the tensor in one call, without temporaries; the torch path runs over chunks.
+    fused = native.usable(flat)
+    rows = max(1, num_full) if fused or not on_cpu else max(1, _CHUNK_VALUES // block_size)
+    scratch = None if fused else _scratch(min(rows, max(1, num_full)), block_size, flat.device)
     qmax_t = torch.tensor(float(qmax), device=flat.device)
     for start in range(0, num_full, rows):
         stop = min(num_full, start + rows)
@@ -107,7 +125,7 @@ def quantize_blocks(
     if not on_cpu:
         q, scale = q.cpu(), scale.cpu()
         on_rows(q)
-    if not bool(torch.isfinite(scale * qmax).all()):
+    if scale_problems(scale, qmax) & NONFINITE_SCALE:
         raise CodecError("nonfinite", "NaN or Inf (or a value near the float32 limit) in input")
     return (q.view(-1) if codec == "int8" else q.view(-1).view(torch.uint8)), scale
 
@@ -150,12 +168,13 @@ def _scratch(rows: int, block_size: int, device: torch.device) -> _Scratch:
 
 def _quantize_rows(
     x2: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, qmax_t: torch.Tensor,
-    scratch: _Scratch, codec: str,
+    scratch: _Scratch | None, codec: str,
 ) -> None:  # fmt: skip
     if native.usable(x2, q_out, s_out):  # one fused pass, bit-identical to the torch ops below
         native.quantize_rows(x2, q_out, s_out, codec)
         return
     k = x2.shape[0]
+    scratch = scratch or _scratch(k, x2.shape[1], x2.device)
     # amax and amin separately: on CPU two plain reductions beat aminmax and abs().amax() by 10x.
     absmax = torch.maximum(x2.amax(dim=1), x2.amin(dim=1).neg()).abs_()  # abs_: a block of -0 gives +0
     torch.div(absmax, qmax_t, out=s_out)
@@ -178,25 +197,29 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, codec: str, block_si
     """The flat float32 tensor of ``numel`` values that ``quantize_blocks`` stored as (q, scale)."""
     out = torch.empty(numel, dtype=torch.float32)
     num_full = numel // block_size
-    rows = max(1, _CHUNK_VALUES // block_size)
     width = block_size if codec == "int8" else block_size // 2
     q2 = q.view(torch.int8).view(-1, width)
-    tmp = _scratch(min(rows, max(1, num_full)), block_size, out.device).q
+    fused = native.usable(q2, scale)  # one kernel call, as in quantize_blocks
+    rows = max(1, num_full) if fused else max(1, _CHUNK_VALUES // block_size)
+    tmp = None if fused else _scratch(min(rows, max(1, num_full)), block_size, out.device).q
     for start in range(0, num_full, rows):
         stop = min(num_full, start + rows)
         o2 = out[start * block_size : stop * block_size].view(-1, block_size)
-        _dequantize_rows(q2[start:stop], scale[start:stop], o2, tmp[: stop - start], codec)
+        _dequantize_rows(q2[start:stop], scale[start:stop], o2, None if tmp is None else tmp[: stop - start], codec)
     if num_full * block_size < numel:
         tail = torch.empty((1, block_size), dtype=torch.float32)
-        _dequantize_rows(q2[num_full:], scale[num_full:], tail, tmp[:1], codec)
+        _dequantize_rows(q2[num_full:], scale[num_full:], tail, None, codec)
         out[num_full * block_size :] = tail[0, : numel - num_full * block_size]
     return out
 
 
-def _dequantize_rows(q2: torch.Tensor, scale: torch.Tensor, o2: torch.Tensor, tmp: torch.Tensor, codec: str) -> None:
+def _dequantize_rows(q2: torch.Tensor, scale: torch.Tensor, o2: torch.Tensor, tmp: torch.Tensor | None,
+                     codec: str) -> None:  # fmt: skip
     if native.usable(q2, scale, o2):
         native.dequantize_rows(q2, scale, o2, codec)
         return
+    if tmp is None:
+        tmp = _scratch(q2.shape[0], o2.shape[1], o2.device).q
     if codec == "int8":
         o2.copy_(q2)
     else:

@@ -32,18 +32,24 @@ from typing import Any
 import torch
 
 from ddiloco_geo.codec.checksum import PARALLEL_HASH_BYTES, Digest
-from ddiloco_geo.codec.framing import ST_TO_TORCH, as_bytes, load, numel, parse_framing, serialize
+from ddiloco_geo.codec.framing import ST_TO_TORCH, as_bytes, is_int_list, load, numel, parse_framing, serialize
 from ddiloco_geo.codec.header import Header, check_header, header_metadata, parse_metadata
 from ddiloco_geo.codec.quantize import (
-    CODECS, MAX_BLOCK_SIZE, QMAX, all_finite, dequantize_blocks, quantize_blocks, resolve_block_size, store_float,
+    CODECS, MAX_BLOCK_SIZE, NEGATIVE_SCALE, NONFINITE_SCALE, QMAX, all_finite, dequantize_blocks, quantize_blocks,
+    resolve_block_size, scale_problems, store_float,
 )  # fmt: skip
-from ddiloco_geo.codec.sparse import MAX_CHUNK, resolve, sparse_decode, sparse_encode, sparsify, stored_sizes
+from ddiloco_geo.codec.sparse import (
+    MAX_CHUNK, index_bits, index_stream_bytes, kept_count, pack_indices, resolve, sparse_decode, sparse_encode,
+    sparsify, stored_sizes, unpack_bits, unpack_indices,
+)  # fmt: skip
 from ddiloco_geo.core.errors import CodecError
 from ddiloco_geo.core.signing import SIGNATURE_FIELD, SIGNER_FIELD, Signer, Verifier, signed_message
 
-# The topk codec stores three tensors per object, whatever the number of tensors: each tensor's
-# parts (``sparse``: indices, codes, scales) concatenated in sorted name order. A safetensors entry
-# per part and tensor made the header larger than the payload of a small fragment's delta.
+# The topk codec stores three tensors per object, whatever the number of tensors: the indices of
+# all tensors as one Rice-coded stream (``sparse.pack_indices``; formats 1 and 2: each tensor's
+# fixed-width indices, concatenated), and each tensor's codes and scales concatenated, in sorted
+# name order. A safetensors entry per part and tensor made the header larger than the payload of
+# a small fragment's delta.
 TOPK_KEYS = ("topk:idx", "topk:q", "topk:scale")
 
 # --- encode --------------------------------------------------------------------------------------
@@ -84,7 +90,10 @@ def encode(
     # (topk: the packed parts follow the names' own order, see TOPK_KEYS).
     names.sort(key=lambda n: n + ":" if codec in QMAX else n)
 
-    digest = Digest(parallel=sum(t.numel() for t in tensors.values()) * 4 >= PARALLEL_HASH_BYTES)
+    # Only fp32 and bf16 hash on the worker thread: the quantized and sparse codecs store an eighth
+    # of the input's bytes or far less, and handing those over measured slower than hashing them here.
+    fp32_bytes = sum(t.numel() for t in tensors.values()) * 4
+    digest = Digest(parallel=codec in ("fp32", "bf16") and fp32_bytes >= PARALLEL_HASH_BYTES)
     stored: dict[str, torch.Tensor] = {}
     sparse: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     try:
@@ -106,10 +115,13 @@ def encode(
                 stored[name] = store_float(x, codec, name)
                 digest.update(stored[name])
         if codec == "topk":  # three stored tensors in all (empty ones for an object without tensors)
-            columns = list(zip(*sparse)) or [(torch.empty(0, dtype=torch.uint8),)] * 2 + [(torch.empty(0),)]
-            for key, parts in zip(TOPK_KEYS, columns):
-                stored[key] = torch.cat(parts)
-                digest.update(stored[key])
+            local, codes, scales = list(zip(*sparse)) or [(torch.empty(0, dtype=torch.long),),
+                                                          (torch.empty(0, dtype=torch.uint8),), (torch.empty(0),)]
+            numels = [tensors[n].numel() for n in names]
+            for key, part in zip(TOPK_KEYS, (pack_indices(torch.cat(local), numels, block_size, topk),
+                                             torch.cat(codes), torch.cat(scales))):  # fmt: skip
+                stored[key] = part
+                digest.update(part)
         checksum = digest.hexdigest()
     finally:
         digest.close()
@@ -239,9 +251,9 @@ def _decode(data, kind, run_id, expect, max_bytes, verify=None, require_signatur
             start, end = layout[key][2]
             digest.update(mv[data_start + start : data_start + end])
         stored = {k: load(mv, data_start, layout[k]) for k in keys}
-        if header.codec == "topk":
-            stored.update(_unpack_topk(header, stored))
         try:  # restored while the bytes hash; a malformed sparse payload is reported after the checksum
+            if header.codec == "topk":
+                stored.update(_unpack_topk(header, stored))
             tensors, malformed = {name: _restore(header, name, stored) for name in sorted(header.shapes)}, None
         except CodecError as exc:
             tensors, malformed = {}, exc
@@ -287,7 +299,7 @@ def _check_layout(header: Header, entries: dict[str, Any]) -> dict[str, tuple[to
     if codec == "topk" and not (2 <= bs <= MAX_CHUNK and 1 <= header.topk <= bs):
         raise CodecError("codec", f"topk {header.topk} of a chunk of {bs}: need 1 <= topk <= chunk <= {MAX_CHUNK}")
     wanted: dict[str, tuple[str, tuple[int, ...]]] = {}
-    packed = [0, 0, 0]  # topk: idx bytes, q bytes, scales over all tensors
+    packed = [0, 0, 0]  # topk: idx bytes (formats 1 and 2), q bytes, scales over all tensors
     for name, shape in header.shapes.items():
         if ":" in name or not name:
             raise CodecError("bad_header", f"tensor name {name[:80]!r} is not allowed")
@@ -304,6 +316,15 @@ def _check_layout(header: Header, entries: dict[str, Any]) -> dict[str, tuple[to
         wanted.update({key: (dtype, (size,)) for key, dtype, size in zip(TOPK_KEYS, ("U8", "U8", "F32"), packed)})
     stored = {k: v for k, v in entries.items() if k != "__metadata__"}
     reason = "codec" if codec in QMAX or codec == "topk" else "shape"
+    if codec == "topk" and header.format >= 3 and isinstance(stored.get(TOPK_KEYS[0]), dict):
+        # a Rice-coded stream's length depends on the indices: any length its layout allows
+        least, most = index_stream_bytes([numel(s) for s in header.shapes.values()], bs, header.topk)
+        size = stored[TOPK_KEYS[0]].get("shape")
+        if is_int_list(size, 0) and len(size) == 1 and least <= size[0] <= most:
+            wanted[TOPK_KEYS[0]] = ("U8", tuple(size))
+        else:
+            raise CodecError(reason, f"{TOPK_KEYS[0]!r} is {size!r}: an index stream of this layout takes "
+                                     f"{least} to {most} bytes")  # fmt: skip
     if set(stored) != set(wanted):
         raise CodecError(reason, f"stored tensors {_names(stored)} do not match the header's {_names(wanted)}")
     layout = {}
@@ -330,12 +351,22 @@ def _check_expect(shapes: dict[str, tuple[int, ...]], expect: Mapping[str, tuple
 
 
 def _unpack_topk(header: Header, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Views ``<name>:idx``/``:q``/``:scale`` of each tensor's slices of the packed topk parts."""
+    """Each tensor's ``<name>:local`` (its unpacked chunk-relative indices) and views ``:q``/``:scale``
+    of its slices of the packed parts; ``CodecError("codec")`` for a malformed index stream."""
+    names, chunk, topk = sorted(header.shapes), header.block_size, header.topk
+    numels = [numel(header.shapes[name]) for name in names]
+    if header.format >= 3:
+        local = unpack_indices(stored[TOPK_KEYS[0]], numels, chunk, topk)
     views, offsets = {}, [0, 0, 0]
-    for name in sorted(header.shapes):
-        sizes = stored_sizes(numel(header.shapes[name]), header.block_size, header.topk)
-        for i, (key, part) in enumerate(zip(TOPK_KEYS, ("idx", "q", "scale"))):
-            views[f"{name}:{part}"] = stored[key][offsets[i] : offsets[i] + sizes[i]]
+    for name, n in zip(names, numels):
+        sizes = stored_sizes(n, chunk, topk)
+        kept = kept_count(n, chunk, topk)
+        part = stored[TOPK_KEYS[0]][offsets[0] : offsets[0] + sizes[0]]
+        views[f"{name}:local"] = (local[offsets[0] : offsets[0] + kept] if header.format >= 3
+                                  else unpack_bits(part, index_bits(chunk), kept))  # fmt: skip
+        offsets[0] += kept if header.format >= 3 else sizes[0]
+        for i, (key, part_name) in enumerate(zip(TOPK_KEYS[1:], ("q", "scale")), start=1):
+            views[f"{name}:{part_name}"] = stored[key][offsets[i] : offsets[i] + sizes[i]]
             offsets[i] += sizes[i]
     return views
 
@@ -347,7 +378,7 @@ def _restore(header: Header, name: str, stored: dict[str, torch.Tensor]) -> torc
     if header.codec == "bf16":
         return stored[name].float()
     if header.codec == "topk":
-        return sparse_decode(stored[f"{name}:idx"], stored[f"{name}:q"], stored[f"{name}:scale"],
+        return sparse_decode(stored[f"{name}:local"], stored[f"{name}:q"], stored[f"{name}:scale"],
                              header.block_size, header.topk, numel(shape)).view(shape)  # fmt: skip
     return dequantize_blocks(stored[f"{name}:q"], stored[f"{name}:scale"], header.codec,
                              header.block_size, numel(shape)).view(shape)  # fmt: skip
@@ -357,10 +388,10 @@ def _check_finite(header: Header, stored: dict[str, torch.Tensor], tensors: dict
     if header.codec in QMAX or header.codec == "topk":
         qmax = QMAX.get(header.codec, 1)
         for name in tensors:
-            scale = stored[f"{name}:scale"]
-            if not bool(torch.isfinite(scale * qmax).all()):
+            problems = scale_problems(stored[f"{name}:scale"], qmax)
+            if problems & NONFINITE_SCALE:
                 raise CodecError("nonfinite", f"{name!r}: a scale is NaN, Inf or would overflow")
-            if bool((scale < 0).any()):
+            if problems & NEGATIVE_SCALE:
                 raise CodecError("codec", f"{name!r}: negative scale")
         return
     for name, t in tensors.items():

@@ -143,7 +143,38 @@ def test_header_round_trips():
     # read_header needs only the header's bytes, e.g. from a ranged GET
     assert codec.read_header(data[: codec.header_span(data)]) == header
     with meta_reader(data) as m:  # the object is a plain safetensors file
-        assert m["ddiloco.format"] == str(codec.FORMAT_VERSION) == "2" and m["codec"] == "int4" and m["block_size"] == "64"
+        assert m["ddiloco.format"] == str(codec.FORMAT_VERSION) == "3" and m["codec"] == "int4" and m["block_size"] == "64"
+        assert "dtypes" not in m  # format 3: every tensor was float32
+    assert back.dtypes == dict.fromkeys(tensors, "float32")
+
+
+def test_format_3_writes_dtypes_and_extra_only_where_they_say_something():
+    header = make_header(extra={"merge": {"contributors": 3}})
+    tensors = {"a": randn(4), "b": randn(4).to(torch.bfloat16)}
+    data = codec.encode(tensors, header, codec="int4", block_size=4)
+    with meta_reader(data) as m:
+        assert json.loads(m["dtypes"]) == {"a": "float32", "b": "bfloat16"}
+        assert json.loads(m["extra"]) == {"merge": {"contributors": 3}}
+    back, _ = codec.decode(data)
+    assert back.dtypes == {"a": "float32", "b": "bfloat16"} and back.extra == {"merge": {"contributors": 3}}
+    plain = codec.encode({"a": randn(4)}, make_header(extra={}), codec="int4", block_size=4)
+    with meta_reader(plain) as m:
+        assert "dtypes" not in m and "extra" not in m
+    assert codec.decode(plain)[0].extra == {}
+
+
+@pytest.mark.parametrize("field", ["dtypes", "extra"])
+def test_formats_1_and_2_still_need_every_field(field):
+    """Format 3 may leave out ``dtypes`` and ``extra``; an object labelled 1 or 2 without them is
+    malformed, as it always was."""
+    data = valid()
+    stored = safetensors.torch.load(data)
+    dtypes = json.dumps(dict.fromkeys(codec.decode(data)[0].shapes, "float32"))
+    for fmt in (1, 2):
+        old = with_meta(data, **{"ddiloco.format": str(fmt), "checksum": codec.checksum_of(stored, fmt),
+                                 "extra": "{}", "dtypes": dtypes})
+        assert codec.decode(old)[0].format == fmt
+        assert reason_of(with_meta(old, **{field: None})) == "bad_header"
 
 
 class meta_reader:
@@ -318,7 +349,7 @@ def test_foreign_safetensors_files():
     assert err.value.reason == "foreign"
 
 
-@pytest.mark.parametrize("fmt", ["0", "3", "", "02", "2 "])
+@pytest.mark.parametrize("fmt", ["0", "4", "", "03", "3 "])
 def test_unknown_format_version(fmt):
     assert reason_of(with_meta(valid(), **{"ddiloco.format": fmt})) == "version"
     with pytest.raises(CodecError, match="upgrade this process"):
@@ -332,12 +363,13 @@ def test_format_1_objects_are_read_with_their_sha256_checksum():
     stored = safetensors.torch.load(data)
     assert codec.checksum_of(stored, 1) == hashlib.sha256(
         b"".join(stored[k].contiguous().view(torch.uint8).numpy().tobytes() for k in sorted(stored))).hexdigest()
-    old = with_meta(data, **{"ddiloco.format": "1", "checksum": codec.checksum_of(stored, 1)})
+    old = with_meta(data, **{"ddiloco.format": "1", "checksum": codec.checksum_of(stored, 1), "extra": "{}",
+                             "dtypes": json.dumps(dict.fromkeys(codec.decode(data)[0].shapes, "float32"))})
     header, tensors = codec.decode(old)
-    assert header.format == 1 and codec.decode(data)[0].format == 2
+    assert header.format == 1 and codec.decode(data)[0].format == 3
     for name, t in codec.decode(data)[1].items():
         assert torch.equal(tensors[name], t)
-    assert reason_of(with_meta(data, **{"ddiloco.format": "1"})) == "checksum"
+    assert reason_of(with_meta(old, checksum=codec.checksum_of(stored, 3))) == "checksum"
     assert reason_of(with_meta(data, checksum=codec.checksum_of(stored, 1))) == "checksum"
 
 

@@ -212,16 +212,15 @@ def test_topk_decode_matches_the_torch_path(monkeypatch, numel, chunk, topk):
     gen = torch.Generator().manual_seed(numel + chunk)
     x = torch.randn(numel, generator=gen)
     x[::5] = 0.0
-    idx, q, scale = sparse.sparse_encode(x, chunk, topk)
-    got, want = _decode_both(monkeypatch, (idx, q, scale), chunk, topk, numel)
+    local, q, scale = sparse.sparse_encode(x, chunk, topk)
+    got, want = _decode_both(monkeypatch, (local, q, scale), chunk, topk, numel)
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
     if numel == 0:
         return
     negative = -scale  # not what an encoder writes, but well-formed bytes: both paths must agree
-    got, want = _decode_both(monkeypatch, (idx, q, negative), chunk, topk, numel)
+    got, want = _decode_both(monkeypatch, (local, q, negative), chunk, topk, numel)
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
     kept = sparse.kept_count(numel, chunk, topk)
-    local = sparse.unpack_bits(idx, sparse.index_bits(chunk), kept)
     codes = sparse.unpack_bits(q, 2, kept)
     width = min(chunk, numel)
     bad_code = codes.clone()
@@ -230,12 +229,11 @@ def test_topk_decode_matches_the_torch_path(monkeypatch, numel, chunk, topk):
     if min(topk, width) > 1:
         swapped[0], swapped[1] = local[1].item(), local[0].item()
     outside = local.clone()
-    outside[-1] = numel % chunk or chunk  # the last chunk's width: one past its last index (masked to the
-    # index bits when the chunk is a power of two, then it reads as a repeated index instead)
+    outside[-1] = numel % chunk or chunk  # the last chunk's width: one past its last index
     for bad_local, bad_codes in [(local, bad_code), (swapped, codes), (outside, codes), (outside, bad_code)]:
         if torch.equal(bad_local, local) and torch.equal(bad_codes, codes):
             continue
-        parts = (sparse.pack_bits(bad_local, sparse.index_bits(chunk)), sparse.pack_bits(bad_codes, 2), scale)
+        parts = (bad_local, sparse.pack_bits(bad_codes, 2), scale)
         got, want = _decode_both(monkeypatch, parts, chunk, topk, numel)
         assert isinstance(want, str) and got == want
 
@@ -269,3 +267,49 @@ def test_a_bit_stream_too_short_for_its_count_is_a_codec_error():
     with pytest.raises(CodecError, match="fewer than 3 values of 12 bits") as err:
         sparse.unpack_bits(torch.zeros(4, dtype=torch.uint8), 12, 3)  # 36 bits needed, 32 given
     assert err.value.reason == "codec"
+
+
+def _rice_both(monkeypatch, fn, *args):
+    """``fn(*args)`` (or its CodecError detail) with the kernels, then on the Python path."""
+    out = []
+    for use_native in (True, False):
+        if not use_native:
+            monkeypatch.setattr(native, "kernels", lambda: None)
+            _torch_only(monkeypatch)
+        try:
+            out.append(fn(*args))
+        except CodecError as exc:
+            out.append(exc.detail)
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("numels,chunk,topk", [([8_300, 4096, 50], 4096, 84), ([1000, 999], 16, 3), ([64], 64, 64),
+                                               ([70_000], 128, 2), ([5000], 4096, 1), ([300, 0, 17], 7, 3)])
+def test_rice_index_stream_matches_the_python_path(monkeypatch, numels, chunk, topk):
+    """The C index coder writes the Python path's bytes, both read them back, and every corruption
+    (flipped bits, cut or added bytes, a stream of ones) gets the same verdict and reason on both."""
+    assert native.kernels() is not None
+    gen = torch.Generator().manual_seed(sum(numels) + chunk + topk)
+    local = torch.cat([sparse.select(torch.randn(n, generator=gen), chunk, topk)[0] % chunk for n in numels])
+    streams = _rice_both(monkeypatch, sparse.pack_indices, local, numels, chunk, topk)
+    assert torch.equal(streams[0], streams[1])
+    stream = streams[0]
+    lo, hi = sparse.index_stream_bytes(numels, chunk, topk)
+    assert lo <= stream.numel() <= hi
+    for got in _rice_both(monkeypatch, sparse.unpack_indices, stream, numels, chunk, topk):
+        assert torch.equal(got, local)
+    variants = [stream[:-1], torch.cat([stream, torch.zeros(1, dtype=torch.uint8)]), torch.full_like(stream, 255)]
+    for i in range(0, stream.numel(), max(1, stream.numel() // 40)):
+        for bit in (0, 3, 7):
+            flipped = stream.clone()
+            flipped[i] ^= 1 << bit
+            variants.append(flipped)
+    verdicts = set()
+    for bad in variants:
+        got, want = _rice_both(monkeypatch, sparse.unpack_indices, bad, numels, chunk, topk)
+        assert type(got) is type(want) and (torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want)
+        verdicts.add(got if isinstance(got, str) else "decoded")
+    if stream.numel() > 8:
+        assert {"the index stream ends before its last index", "an index lies outside its chunk"} <= verdicts

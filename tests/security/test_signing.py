@@ -256,8 +256,12 @@ def test_added_or_removed_metadata_field_is_bad_signature():
     meta["__metadata__"]["note"] = "x"
     assert reason_of(join(meta, body), verify=VERIFIER) == "bad_signature"
     meta, body = split(signed("a"))
-    del meta["__metadata__"]["extra"]  # a missing required field fails earlier, as bad_header
+    del meta["__metadata__"]["shapes"]  # a missing required field fails earlier, as bad_header
     assert reason_of(join(meta, body), verify=VERIFIER) == "bad_header"
+    meta, body = split(signed("a"))  # a field format 3 leaves out, added with its default value
+    assert "dtypes" not in meta["__metadata__"]
+    meta["__metadata__"]["dtypes"] = json.dumps(dict.fromkeys(json.loads(meta["__metadata__"]["shapes"]), "float32"))
+    assert reason_of(join(meta, body), verify=VERIFIER) == "bad_signature"
     meta, body = split(signed("a"))
     del meta["__metadata__"]["signer"]
     assert reason_of(join(meta, body), verify=VERIFIER) == "bad_signature"
@@ -283,17 +287,20 @@ def test_tampered_tensor_byte_is_checksum_and_re_hashed_tensor_is_bad_signature(
 
 
 @pytest.mark.unit
-def test_relabelled_format_version_is_bad_signature():
-    """The format version is signed: a signed format-2 object relabelled as format 1 with the
-    SHA-256 checksum format 1 uses (so it passes the checksum) is refused, not read in format 1."""
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_relabelled_format_version_is_bad_signature(fmt):
+    """The format version is signed: a signed format-3 object relabelled as format 1 or 2, with the
+    checksum that format uses (SHA-256 for 1) and the fields format 3 leaves out (so it is a
+    well-formed object of that format), is refused, not read in the older format."""
     meta, body = split(signed("a"))
     stored = {name: torch.frombuffer(bytearray(body[e["data_offsets"][0]:e["data_offsets"][1]]),
                                      dtype=torch.float32).view(e["shape"])
               for name, e in meta.items() if name != "__metadata__"}  # fmt: skip
-    meta["__metadata__"]["ddiloco.format"] = "1"
-    meta["__metadata__"]["checksum"] = codec.checksum_of(stored, 1)
+    shapes = json.loads(meta["__metadata__"]["shapes"])
+    meta["__metadata__"].update({"ddiloco.format": str(fmt), "checksum": codec.checksum_of(stored, fmt),
+                                 "extra": "{}", "dtypes": json.dumps(dict.fromkeys(shapes, "float32"))})
     assert reason_of(join(meta, body), verify=VERIFIER) == "bad_signature"
-    assert codec.decode(join(meta, body))[0].format == 1  # a well-formed format-1 object otherwise
+    assert codec.decode(join(meta, body))[0].format == fmt  # a well-formed object of that format otherwise
 
 
 @pytest.mark.unit
