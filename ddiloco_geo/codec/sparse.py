@@ -196,11 +196,14 @@ def sparsify(x: torch.Tensor, *, block_size: int = 0, topk: int = 0) -> torch.Te
     mean the defaults (4096, 64)."""
     chunk, topk = resolve(block_size, topk)
     flat = x.detach().reshape(-1)
-    pos, values = select(flat, chunk, topk)
-    scale = scales_of(values, flat.numel(), chunk, topk)
     owner = _owners(flat.numel(), chunk, topk, flat.device)
     out = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-    out[pos] = torch.sign(values) * scale[owner]
+    if flat.device.type == "cpu":  # the parts encode stores (its C pass where there is one), scattered
+        local, codes, scale = _parts(flat, chunk, topk)
+        out[owner * chunk + local] = _LEVELS[codes.long()] * scale[owner]
+    else:
+        pos, values = select(flat, chunk, topk)
+        out[pos] = torch.sign(values) * scales_of(values, flat.numel(), chunk, topk)[owner]
     return out.view(x.shape)
 
 

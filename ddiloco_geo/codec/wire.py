@@ -359,12 +359,14 @@ def _unpack_topk(header: Header, stored: dict[str, torch.Tensor]) -> dict[str, t
         local = unpack_indices(stored[TOPK_KEYS[0]], numels, chunk, topk)
     views, offsets = {}, [0, 0, 0]
     for name, n in zip(names, numels):
-        sizes = stored_sizes(n, chunk, topk)
-        kept = kept_count(n, chunk, topk)
-        part = stored[TOPK_KEYS[0]][offsets[0] : offsets[0] + sizes[0]]
-        views[f"{name}:local"] = (local[offsets[0] : offsets[0] + kept] if header.format >= 3
-                                  else unpack_bits(part, index_bits(chunk), kept))  # fmt: skip
-        offsets[0] += kept if header.format >= 3 else sizes[0]
+        sizes, kept = stored_sizes(n, chunk, topk), kept_count(n, chunk, topk)
+        if header.format >= 3:
+            views[f"{name}:local"] = local[offsets[0] : offsets[0] + kept]
+            offsets[0] += kept
+        else:  # formats 1 and 2: each tensor's fixed-width indices, padded to a byte
+            part = stored[TOPK_KEYS[0]][offsets[0] : offsets[0] + sizes[0]]
+            views[f"{name}:local"] = unpack_bits(part, index_bits(chunk), kept)
+            offsets[0] += sizes[0]
         for i, (key, part_name) in enumerate(zip(TOPK_KEYS[1:], ("q", "scale")), start=1):
             views[f"{name}:{part_name}"] = stored[key][offsets[i] : offsets[i] + sizes[i]]
             offsets[i] += sizes[i]
