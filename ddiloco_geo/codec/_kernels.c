@@ -413,12 +413,12 @@ int ddiloco_rice_decode(const uint8_t *data, int64_t nbytes, const int32_t *coun
             avail = 0; /* a long unary part: read bit by bit from p, then refill */
             int64_t q = 0;
             for (;;) { /* the unary part: count one-bits (all within the stream) up to the zero */
-                const uint64_t w = peek_bits(data, nbytes, p);
-                const int ones = w == ~0ull ? 64 : __builtin_ctzll(~w);
-                const int run = ones < 57 ? ones : 56;
+                const uint64_t bits = peek_bits(data, nbytes, p);
+                const int set = bits == ~0ull ? 64 : __builtin_ctzll(~bits);
+                const int run = set < 57 ? set : 56;
                 if (q + run > qmax) return 2;
                 q += run, p += run;
-                if (ones < 57) break;
+                if (set < 57) break;
             }
             if (p >= total) return 8; /* the zero lies past the end */
             p += 1;

@@ -20,8 +20,9 @@ The header lives in safetensors' ``__metadata__`` (``dict[str, str]``)::
     signature       (signed objects only) hex HMAC-SHA256 over every other metadata field
 
 The fields are a frozen surface: a change of meaning needs a new ``FORMAT_VERSION`` (2 changed the
-checksum's hash; 3 leaves out ``dtypes`` and ``extra`` where they say nothing: in a top-k delta of a
-small fragment they were a tenth of the object's bytes). Objects of formats 1 and 2 are still read,
+checksum's hash; 3 leaves out ``dtypes`` and ``extra`` where they say nothing, about 100 bytes of a
+2.4 KB top-k delta of a small fragment, and Rice-codes top-k's indices, ``sparse``). Objects of
+formats 1 and 2 are still read,
 ``Header.format`` says which. Writing
 (``check_header``, ``header_metadata``) raises ValueError for a header that could not be read back;
 reading (``parse_metadata``) raises ``CodecError``: ``foreign`` (no metadata, or no format key),
