@@ -193,17 +193,16 @@ def sparsify(x: torch.Tensor, *, block_size: int = 0, topk: int = 0) -> torch.Te
     """What the ``topk`` codec sends for ``x``, as the dense float32 tensor (same shape and device)
     that decode yields: exactly ``decode(encode({"x": x}, codec="topk", ...))["x"]``. Use it for
     error feedback (``residual = x - sparsify(x)``) without serializing. ``block_size``/``topk`` 0
-    mean the defaults (4096, 64)."""
+    mean the defaults (4096, 84)."""
     chunk, topk = resolve(block_size, topk)
     flat = x.detach().reshape(-1)
-    owner = _owners(flat.numel(), chunk, topk, flat.device)
-    out = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-    if flat.device.type == "cpu":  # the parts encode stores (its C pass where there is one), scattered
+    if flat.device.type == "cpu":  # the parts encode stores, scattered as decode scatters them
         local, codes, scale = _parts(flat, chunk, topk)
-        out[owner * chunk + local] = _LEVELS[codes.long()] * scale[owner]
-    else:
-        pos, values = select(flat, chunk, topk)
-        out[pos] = torch.sign(values) * scales_of(values, flat.numel(), chunk, topk)[owner]
+        return scatter(local, codes.long(), scale, chunk, topk, flat.numel()).view(x.shape)
+    pos, values = select(flat, chunk, topk)
+    out = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+    scale = scales_of(values, flat.numel(), chunk, topk)
+    out[pos] = torch.sign(values) * scale[_owners(flat.numel(), chunk, topk, flat.device)]
     return out.view(x.shape)
 
 
@@ -220,8 +219,15 @@ def sparse_decode(local: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, chu
     (``unpack_indices``, or ``unpack_bits`` in formats 1 and 2); ``CodecError("codec")`` for an
     index out of its chunk, indices not strictly ascending within a chunk, a reserved code or
     padding bits."""
+    return scatter(local, unpack_bits(q, 2, kept_count(numel, chunk, topk)), scale, chunk, topk, numel)
+
+
+def scatter(local: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, chunk: int, topk: int,
+            numel: int) -> torch.Tensor:  # fmt: skip
+    """``sparse_decode`` after unpacking (int64 ``local`` and ``codes``, CPU): the dense values, each
+    kept one ``level(code) * scale`` of its chunk (``sparsify`` scatters through here too, so it is
+    what decode yields by construction)."""
     kept = kept_count(numel, chunk, topk)
-    codes = unpack_bits(q, 2, kept)
     if scale.dtype == torch.float32 and scale.numel() == -(-numel // chunk) and native.usable(local, codes, scale):
         out = native.topk_scatter(local, codes, scale, numel, chunk, topk)
         if isinstance(out, torch.Tensor):
