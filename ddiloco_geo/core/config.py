@@ -28,8 +28,7 @@ ENV_NESTED = "__"
 CONFIG_FILE_ENV = "DDILOCO_CONFIG"
 TEST_ENV_PREFIX = "DDILOCO_TEST_"  # reserved for the test harness (e.g. DDILOCO_TEST_LOCALSTACK_URL)
 TOPK_OUTER = (1.0, 0.0)  # the outer (lr, momentum) a top-k run gets by default: plain averaging
-# Process switches outside the settings tree, read where no settings exist yet (docs/configuration.md):
-# the native codec kernels (codec/native.py) and the allocator (cli/main.py: setup_malloc).
+# Process switches outside the settings tree, read before any settings (docs/configuration.md): codec/native.py, cli/main.py
 PROCESS_ENV = frozenset({"DDILOCO_NATIVE_CODEC", "DDILOCO_NATIVE_DIR", "DDILOCO_MALLOC_TUNING"})
 
 Codec = Literal["fp32", "bf16", "int8", "int4", "topk"]  # = codec.CODECS (tested); written here to keep config free of torch
@@ -94,6 +93,7 @@ class DataConfig(Section):
     eval_batches: int = Field(8, ge=1)
     max_bytes: int | None = Field(None, ge=1024, description="cap on corpus bytes read (None: all)")
     shard: str = Field("0/1", description="'i/N': this learner reads the i-th of N disjoint shards")
+    shard_layout: Literal["contiguous", "interleaved"] = Field("contiguous", description="'contiguous': shard i is the i-th N-th of the training data in corpus order; 'interleaved': stripes of 64 windows (tokens: corpora: chunks) dealt round-robin")
     chunk_tokens: int = Field(1 << 20, ge=64, description="tokens: corpora: tokens per ranged read; a learner shuffles "
                               "the chunks of its slice, then the windows inside a chunk")
     storage: dict[str, Any] = Field(default_factory=dict, description="tokens: corpora in a bucket: storage-section keys for "

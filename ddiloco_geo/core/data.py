@@ -129,25 +129,51 @@ def shard_bounds(num_bytes: int, shard: int, num_shards: int) -> tuple[int, int]
     return num_bytes * shard // num_shards, num_bytes * (shard + 1) // num_shards
 
 
+SHARD_LAYOUTS = ("interleaved", "contiguous")
+STRIPE_WINDOWS = 64  # interleaved shards: stripes of this many windows, dealt round-robin
+
+
+def shard_stripes(num_items: int, shard: int, num_shards: int, stripe: int, layout: str) -> list[tuple[int, int]]:
+    """The ``[start, end)`` spans of ``num_items`` bytes or tokens that shard ``shard`` of ``num_shards`` reads.
+
+    ``contiguous``: one span, :func:`shard_bounds`. ``interleaved``: the items cut into stripes of
+    ``stripe``, stripe ``j`` to shard ``j mod num_shards`` (the last, shorter one too), so every shard
+    samples the whole corpus, as shards of a shuffled dataset do, instead of one region of it
+    (a run of documents in corpus order: another distribution than the held-out tail and the
+    other shards). Disjoint, and together they cover every item, for either layout.
+    """
+    if layout == "contiguous" or num_shards == 1:
+        return [shard_bounds(num_items, shard, num_shards)]
+    if layout != "interleaved":
+        raise ValueError(f"shard layout {layout!r}: expected one of {SHARD_LAYOUTS}")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard={shard} must be in [0, num_shards={num_shards})")
+    return [(a, min(a + stripe, num_items)) for a in range(shard * stripe, num_items, num_shards * stripe)]
+
+
 class ShardReader:
     """Batches ``(x, y, num_tokens)`` from one shard of the training bytes.
 
-    Epoch ``e`` walks the windows ``start + offset_e + k * block_size`` (each needs
-    ``block_size + 1`` bytes inside the shard) in the order of a permutation seeded by
+    The shard is one or more spans of the training bytes (:func:`shard_stripes`; ``layout``).
+    Epoch ``e`` walks the windows ``a + offset_e + k * block_size`` of every span ``[a, b)`` (each
+    needs ``block_size + 1`` bytes inside the span) in the order of a permutation seeded by
     ``(seed, shard, e)``; ``offset_e`` is a seeded shift in ``[0, block_size)`` so later epochs see
     other window boundaries. A batch that runs off the end of an epoch continues into the next.
     """
 
-    def __init__(self, train: np.ndarray, shard: int, num_shards: int, block_size: int, batch_size: int, seed: int) -> None:
+    def __init__(self, train: np.ndarray, shard: int, num_shards: int, block_size: int, batch_size: int, seed: int,
+                 layout: str = "contiguous") -> None:
         if block_size < 1 or batch_size < 1:
             raise ValueError(f"block_size={block_size} and batch_size={batch_size} must be >= 1")
-        self.start, self.end = shard_bounds(len(train), shard, num_shards)
-        if self.end - self.start < 2 * block_size + 1:
+        spans = shard_stripes(len(train), shard, num_shards, STRIPE_WINDOWS * block_size, layout)
+        self.spans = [(a, b) for a, b in spans if b - a >= 2 * block_size + 1]
+        if not self.spans:
             raise ValueError(
-                f"shard {shard}/{num_shards} holds {self.end - self.start} bytes, fewer than "
-                f"2 * block_size + 1 = {2 * block_size + 1}; use a larger corpus or fewer learners"
+                f"shard {shard}/{num_shards} holds {sum(b - a for a, b in spans)} bytes, fewer than "
+                f"2 * block_size + 1 = {2 * block_size + 1} in one piece; use a larger corpus or fewer learners"
             )
-        self.data = train
+        self.start, self.end = self.spans[0][0], self.spans[-1][1]
+        self.data, self.layout = train, layout
         self.shard, self.num_shards = shard, num_shards
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.epoch = 0
@@ -159,9 +185,9 @@ class ShardReader:
         if self._order is None or self._order[0] != epoch:
             rng = np.random.default_rng([self.seed, self.shard, epoch])
             offset = int(rng.integers(0, self.block_size))
-            count = (self.end - self.start - 1 - offset) // self.block_size
-            starts = self.start + offset + self.block_size * rng.permutation(count)
-            self._order = (epoch, starts)
+            grid = np.concatenate([a + offset + self.block_size * np.arange((b - a - 1 - offset) // self.block_size)
+                                   for a, b in self.spans])
+            self._order = (epoch, grid[rng.permutation(len(grid))])
         return self._order[1]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -178,8 +204,9 @@ class ShardReader:
         self.tokens_seen += num_tokens
         return x, y, num_tokens
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         return {
+            "layout": self.layout,
             "epoch": self.epoch,
             "index": self.index,
             "tokens_seen": self.tokens_seen,
@@ -190,10 +217,11 @@ class ShardReader:
             "seed": self.seed,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        for key in ("shard", "num_shards", "block_size", "batch_size", "seed"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"data cursor was saved with {key}={state[key]}, this reader has {getattr(self, key)}")
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        saved = {"layout": "contiguous", **state}  # a cursor from before data.shard_layout: one region
+        for key in ("layout", "shard", "num_shards", "block_size", "batch_size", "seed"):
+            if key in saved and saved[key] != getattr(self, key):
+                raise ValueError(f"data cursor was saved with {key}={saved[key]}, this reader has {getattr(self, key)}")
         epoch, index, tokens = int(state["epoch"]), int(state["index"]), int(state["tokens_seen"])
         if epoch < 0 or tokens < 0 or not 0 <= index < len(self._starts(epoch)):
             raise ValueError(f"data cursor out of range: {state}")

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ddiloco_geo.core.data import eval_batches as window_batches
-from ddiloco_geo.core.data import shard_bounds
+from ddiloco_geo.core.data import shard_stripes
 from ddiloco_geo.core.errors import ConfigError
 
 MAGIC = b"DDTOKENS"
@@ -164,18 +164,21 @@ class TokenReader:
     """Batches ``(x, y, num_tokens)`` from slice ``shard`` of ``num_shards`` of the training tokens."""
 
     def __init__(self, source: TokenSource, shard: int, num_shards: int, block_size: int, batch_size: int,
-                 seed: int, chunk_tokens: int) -> None:
+                 seed: int, chunk_tokens: int, layout: str = "contiguous") -> None:
         if block_size < 1 or batch_size < 1:
             raise ValueError(f"block_size={block_size} and batch_size={batch_size} must be >= 1")
         self.source = source
-        self.start, self.end = shard_bounds(source.num_train, shard, num_shards)
+        self.chunk_windows = max(1, chunk_tokens // block_size)
+        self.chunk_tokens = chunk_tokens
+        # interleaved: the stripes are the chunks (one ranged read each), dealt round-robin over the shards
+        self.spans = shard_stripes(source.num_train, shard, num_shards, self.chunk_windows * block_size, layout)
+        self.spans = [(a, b) for a, b in self.spans if b - a >= 2 * block_size + 1] or self.spans[:1]
+        self.start, self.end = self.spans[0][0], self.spans[-1][1]
         if self.end - self.start < 2 * block_size + 1:
             raise ConfigError(f"token slice {shard}/{num_shards} holds {self.end - self.start} tokens, fewer than "
                               f"2 * block_size + 1 = {2 * block_size + 1}; use more data or fewer learners")
-        self.shard, self.num_shards = shard, num_shards
+        self.shard, self.num_shards, self.layout = shard, num_shards, layout
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
-        self.chunk_windows = max(1, chunk_tokens // block_size)
-        self.chunk_tokens = chunk_tokens
         self.epoch = self.chunk = self.index = self.tokens_seen = 0
         self._plans: dict[int, tuple[int, np.ndarray, int]] = {}  # epoch -> (offset, chunk order, windows)
         self._loaded: tuple[tuple[int, int], np.ndarray, np.ndarray] | None = None  # (epoch, chunk), tokens, order
@@ -190,7 +193,7 @@ class TokenReader:
             rng = np.random.default_rng([self.seed, self.shard, epoch])
             offset = int(rng.integers(0, self.block_size))
             num_windows = (self.end - self.start - 1 - offset) // self.block_size
-            num_chunks = -(-num_windows // self.chunk_windows)
+            num_chunks = -(-num_windows // self.chunk_windows) if self.layout == "contiguous" else len(self.spans)
             self._plans = {e: v for e, v in self._plans.items() if e >= epoch - 1}
             self._plans[epoch] = (offset, rng.permutation(num_chunks), num_windows)
         return self._plans[epoch]
@@ -198,6 +201,10 @@ class TokenReader:
     def _chunk_span(self, epoch: int, chunk: int) -> tuple[int, int, int]:
         """(first token, end token, windows) of the chunk at position ``chunk`` of epoch ``epoch``."""
         offset, order, num_windows = self._epoch_plan(epoch)
+        if self.layout != "contiguous":  # one stripe: its windows from the epoch's offset on
+            a, b = self.spans[int(order[chunk])]
+            count = (b - a - 1 - offset) // self.block_size  # >= 1: every kept stripe holds 2 * block_size + 1
+            return a + offset, a + offset + count * self.block_size + 1, count
         first = int(order[chunk]) * self.chunk_windows
         count = min(self.chunk_windows, num_windows - first)
         begin = self.start + offset + first * self.block_size
@@ -242,7 +249,7 @@ class TokenReader:
     # -- the cursor --
 
     def state_dict(self) -> dict[str, int]:
-        return {"format": "tokens", "epoch": self.epoch, "chunk": self.chunk, "index": self.index,
+        return {"format": "tokens", "layout": self.layout, "epoch": self.epoch, "chunk": self.chunk, "index": self.index,
                 "tokens_seen": self.tokens_seen, "shard": self.shard, "num_shards": self.num_shards,
                 "block_size": self.block_size, "batch_size": self.batch_size, "seed": self.seed,
                 "chunk_tokens": self.chunk_tokens, "num_train": self.source.num_train}
@@ -250,7 +257,8 @@ class TokenReader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("format") != "tokens":
             raise ValueError("data cursor was saved by a byte-corpus reader; this run reads token shards")
-        for key in ("shard", "num_shards", "block_size", "batch_size", "seed", "chunk_tokens", "num_train"):
+        state = {"layout": "contiguous", **state}  # a cursor from before data.shard_layout: one region
+        for key in ("layout", "shard", "num_shards", "block_size", "batch_size", "seed", "chunk_tokens", "num_train"):
             have = self.source.num_train if key == "num_train" else getattr(self, key)
             if key in state and state[key] != have:
                 raise ValueError(f"data cursor was saved with {key}={state[key]}, this reader has {have}")

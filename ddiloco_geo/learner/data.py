@@ -54,12 +54,13 @@ def make_reader(data: DataConfig, *, block_size: int, batch_size: int, seed: int
         corpus = datamod.load_corpus(data.corpus, max_bytes=data.max_bytes)
         train, _ = datamod.split(corpus, data.eval_ratio)
         return datamod.ShardReader(train, shard=slice_index, num_shards=num_slices, block_size=block_size,
-                                   batch_size=batch_size, seed=seed)
+                                   batch_size=batch_size, seed=seed, layout=data.shard_layout)
     source = TokenSource(open_tokens_store(data), eval_ratio=data.eval_ratio, where=data.corpus)  # open for the run
     if vocab_size is not None and source.vocab_size > vocab_size:
         raise ConfigError(f"{data.corpus} has a vocabulary of {source.vocab_size} tokens but the model's embedding has "
                           f"{vocab_size} rows: give the model vocab_size >= {source.vocab_size}")
-    return TokenReader(source, slice_index, num_slices, block_size, batch_size, seed, data.chunk_tokens)
+    return TokenReader(source, slice_index, num_slices, block_size, batch_size, seed, data.chunk_tokens,
+                       data.shard_layout)
 
 
 def eval_batches_for(data: DataConfig, *, block_size: int, batch_size: int,

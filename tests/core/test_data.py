@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ddiloco_geo.core.config import ModelConfig
-from ddiloco_geo.core.data import ShardReader, eval_batches, evaluate, load_corpus, shard_bounds, split
+from ddiloco_geo.core.data import (STRIPE_WINDOWS, ShardReader, eval_batches, evaluate, load_corpus, shard_bounds,
+                                   shard_stripes, split)
 from ddiloco_geo.core.errors import ConfigError
 from ddiloco_geo.core.model import build_model
 
@@ -105,6 +106,53 @@ def test_shards_are_disjoint_and_cover_the_training_bytes(num_shards):
             assert torch.equal(x[:, 1:], y[:, :-1])
 
 
+@pytest.mark.parametrize("num_shards", [1, 3, 7])
+def test_interleaved_shards_are_disjoint_cover_the_bytes_and_span_the_corpus(num_shards):
+    n, block = 50_003, 8
+    stripe = STRIPE_WINDOWS * block
+    spans = [shard_stripes(n, i, num_shards, stripe, "interleaved") for i in range(num_shards)]
+    owner = np.full(n, -1)
+    for i, mine in enumerate(spans):
+        for a, b in mine:
+            assert (owner[a:b] == -1).all()  # disjoint
+            owner[a:b] = i
+    assert (owner >= 0).all()  # together they cover every byte
+    if num_shards > 1:  # dealt round-robin: consecutive stripes belong to consecutive shards
+        assert [owner[j * stripe] for j in range(2 * num_shards)] == list(range(num_shards)) * 2
+    positions = np.arange(n)
+    for i, mine in enumerate(spans):
+        reader = ShardReader(positions, i, num_shards, block_size=block, batch_size=16, seed=0, layout="interleaved")
+        seen = []
+        while reader.epoch == 0:
+            x, y, _ = reader.next_batch()
+            assert torch.equal(x[:, 1:], y[:, :-1])
+            assert all(owner[int(r[0])] == i and owner[int(r[-1]) + 1] == i for r in x)  # x and its target inside
+            seen.extend(x[:, 0].tolist())
+        # the epoch's windows, every one once, reach from the first tenth of the corpus to the last
+        assert len(seen[:len(set(seen))]) == len(set(seen))
+        assert min(seen) < n // 10 and max(seen) > n - n // 10 - stripe * num_shards
+
+
+def test_contiguous_layout_reads_the_windows_it_always_read():
+    """The default layout is the reader of every earlier release: same windows, same order, so a
+    resumed learner's cursor still points at the batch it would have read next."""
+    train = np.arange(10_000, dtype=np.int64)
+    reader = ShardReader(train, 1, 3, block_size=16, batch_size=4, seed=9)
+    start, end = shard_bounds(len(train), 1, 3)
+    rng = np.random.default_rng([9, 1, 0])
+    offset = int(rng.integers(0, 16))
+    expected = start + offset + 16 * rng.permutation((end - start - 1 - offset) // 16)
+    got = np.concatenate([reader.next_batch()[0][:, 0].numpy() for _ in range(len(expected) // 4)])
+    assert np.array_equal(got, expected[:len(got)])
+
+
+def test_shard_layout_is_checked():
+    with pytest.raises(ValueError, match="shard layout"):
+        shard_stripes(1000, 0, 2, 64, "striped")
+    with pytest.raises(ValueError, match="fewer learners"):  # 5000 bytes are two stripes: none for shard 3
+        ShardReader(np.zeros(5000, dtype=np.uint8), 3, 4, block_size=64, batch_size=2, seed=0, layout="interleaved")
+
+
 def test_batches_and_token_counts_are_exact(shakespeare):
     train, _ = split(shakespeare[:200_000], 0.02)
     reader = ShardReader(train, 1, 4, block_size=32, batch_size=5, seed=0)
@@ -146,6 +194,25 @@ def test_state_dict_round_trip_continues_the_same_batches():
     other = ShardReader(train, 1, 2, block_size=16, batch_size=7, seed=3)
     with pytest.raises(ValueError, match="shard"):
         other.load_state_dict(cursor)
+    interleaved = ShardReader(train, 0, 2, block_size=16, batch_size=7, seed=3, layout="interleaved")
+    with pytest.raises(ValueError, match="layout=contiguous"):
+        interleaved.load_state_dict(cursor)
+    before_layouts = {k: v for k, v in cursor.items() if k != "layout"}  # a cursor of an earlier release
+    ShardReader(train, 0, 2, block_size=16, batch_size=7, seed=3).load_state_dict(before_layouts)
+    with pytest.raises(ValueError, match="layout=contiguous"):
+        interleaved.load_state_dict(before_layouts)
+
+
+def test_interleaved_cursor_round_trip():
+    train = np.arange(20_000, dtype=np.int64)
+    reader = ShardReader(train, 2, 3, block_size=16, batch_size=5, seed=1, layout="interleaved")
+    for _ in range(11):
+        reader.next_batch()
+    cursor = json.loads(json.dumps(reader.state_dict()))
+    resumed = ShardReader(train, 2, 3, block_size=16, batch_size=5, seed=1, layout="interleaved")
+    resumed.load_state_dict(cursor)
+    for _ in range(40):
+        assert torch.equal(reader.next_batch()[0], resumed.next_batch()[0])
 
 
 def test_different_seeds_and_shards_give_different_orders():

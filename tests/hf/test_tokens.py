@@ -84,8 +84,33 @@ def test_reader_walks_every_window_of_its_slice_once_per_epoch(shard_dir):
     assert sorted(seen[:num_windows]) == sorted(expected)
 
 
-def test_restarted_reader_continues_at_its_cursor(shard_dir):
-    data = _data(str(shard_dir))
+def test_interleaved_slices_deal_chunks_round_robin_and_walk_each_window_once(shard_dir):
+    data = _data(str(shard_dir), shard_layout="interleaved")
+    readers = [_reader(data, i, 3) for i in range(3)]
+    owner = np.full(readers[0].source.num_train, -1)
+    for i, r in enumerate(readers):
+        assert len(r.spans) > 2 and all(b - a <= 1024 for a, b in r.spans)  # one chunk (ranged read) a stripe
+        for a, b in r.spans:
+            assert (owner[a:b] == -1).all()
+            owner[a:b] = i
+    assert (owner[:-1024] >= 0).all()  # only a last stripe too short for a window is left out
+    r = readers[1]
+    offset, order, _ = r._epoch_plan(0)
+    seen = []
+    while r.epoch == 0:
+        x, y, _ = r.next_batch()
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        seen.extend(x[:, 0].tolist())
+    expected = []
+    for a, b in r.spans:  # every window of every stripe of this slice, from the epoch's offset
+        full = r.source.read(a, b)
+        expected += [int(full[offset + k * BLOCK]) for k in range((b - a - 1 - offset) // BLOCK)]
+    assert sorted(seen[:len(expected)]) == sorted(expected)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
+def test_restarted_reader_continues_at_its_cursor(shard_dir, layout):
+    data = _data(str(shard_dir), shard_layout=layout)
     a = _reader(data)
     for _ in range(37):  # past several chunk boundaries (1024 tokens = 32 windows = 8 batches)
         a.next_batch()
@@ -100,6 +125,9 @@ def test_restarted_reader_continues_at_its_cursor(shard_dir):
     with pytest.raises(ValueError, match="batch_size"):
         make_reader(data, block_size=BLOCK, batch_size=BATCH + 1, seed=7, slice_index=0,
                     num_slices=2).load_state_dict(state)
+    other = "interleaved" if layout == "contiguous" else "contiguous"
+    with pytest.raises(ValueError, match=f"layout={layout}"):
+        _reader(_data(str(shard_dir), shard_layout=other)).load_state_dict(state)
 
 
 def test_model_vocabulary_too_small_is_refused(shard_dir):
