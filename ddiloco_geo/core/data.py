@@ -129,7 +129,7 @@ def shard_bounds(num_bytes: int, shard: int, num_shards: int) -> tuple[int, int]
     return num_bytes * shard // num_shards, num_bytes * (shard + 1) // num_shards
 
 
-SHARD_LAYOUTS = ("interleaved", "contiguous")
+SHARD_LAYOUTS = ("contiguous", "interleaved")  # = config.DataConfig.shard_layout
 STRIPE_WINDOWS = 64  # interleaved shards: stripes of this many windows, dealt round-robin
 
 

@@ -161,7 +161,8 @@ class TokenSource:
 
 
 class TokenReader:
-    """Batches ``(x, y, num_tokens)`` from slice ``shard`` of ``num_shards`` of the training tokens."""
+    """Batches ``(x, y, num_tokens)`` from slice ``shard`` of ``num_shards`` of the training tokens:
+    one contiguous region cut in chunks, or (``layout="interleaved"``) every ``num_shards``-th chunk."""
 
     def __init__(self, source: TokenSource, shard: int, num_shards: int, block_size: int, batch_size: int,
                  seed: int, chunk_tokens: int, layout: str = "contiguous") -> None:
@@ -171,12 +172,12 @@ class TokenReader:
         self.chunk_windows = max(1, chunk_tokens // block_size)
         self.chunk_tokens = chunk_tokens
         # interleaved: the stripes are the chunks (one ranged read each), dealt round-robin over the shards
-        self.spans = shard_stripes(source.num_train, shard, num_shards, self.chunk_windows * block_size, layout)
-        self.spans = [(a, b) for a, b in self.spans if b - a >= 2 * block_size + 1] or self.spans[:1]
+        spans = shard_stripes(source.num_train, shard, num_shards, self.chunk_windows * block_size, layout)
+        self.spans = [(a, b) for a, b in spans if b - a >= 2 * block_size + 1]
+        if not self.spans:
+            raise ConfigError(f"token slice {shard}/{num_shards} holds {sum(b - a for a, b in spans)} tokens, fewer than "
+                              f"2 * block_size + 1 = {2 * block_size + 1} in one piece; use more data or fewer learners")
         self.start, self.end = self.spans[0][0], self.spans[-1][1]
-        if self.end - self.start < 2 * block_size + 1:
-            raise ConfigError(f"token slice {shard}/{num_shards} holds {self.end - self.start} tokens, fewer than "
-                              f"2 * block_size + 1 = {2 * block_size + 1}; use more data or fewer learners")
         self.shard, self.num_shards, self.layout = shard, num_shards, layout
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
         self.epoch = self.chunk = self.index = self.tokens_seen = 0

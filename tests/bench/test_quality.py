@@ -12,8 +12,12 @@ from ddiloco_geo.cli.main import main
 def test_quality_compares_the_best_rate_of_each_side(capsys):
     assert main(["bench", "quality", "--json", "--model", "nano", "--learners", "2", "--steps", "8",
                  "--max-bytes", "200000", "--variants", "k1_grace,kM", "--dp-lr-scales", "0.25,1", "--lr-scales", "0.5,1",
-                 "--set", "fragments.sync_every=4", "--set", "learner.warmup_steps=1"]) == 0
+                 "--set", "fragments.sync_every=4", "--set", "learner.warmup_steps=1",
+                 "--set", "data.shard_layout=interleaved"]) == 0
     out = json.loads(capsys.readouterr().out)
+    # the JSON says what it measured: the corpus, how it was sharded, every override
+    assert (out["corpus"], out["shard_layout"], out["seed"]) == ("shakespeare", "interleaved", 0)
+    assert "data.shard_layout=interleaved" in out["overrides"]
     by_lr = out["dp_by_lr"]
     assert set(by_lr) == {"0.0015", "0.006"}  # 0.25 and 1 x the default learner.lr
     assert all(math.isfinite(v) for v in by_lr.values()) and len(set(by_lr.values())) == 2

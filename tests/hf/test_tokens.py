@@ -106,6 +106,8 @@ def test_interleaved_slices_deal_chunks_round_robin_and_walk_each_window_once(sh
         full = r.source.read(a, b)
         expected += [int(full[offset + k * BLOCK]) for k in range((b - a - 1 - offset) // BLOCK)]
     assert sorted(seen[:len(expected)]) == sorted(expected)
+    with pytest.raises(ConfigError, match="fewer learners"):  # more slices than chunks: this one has none
+        _reader(data, 9_999, 10_000)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "interleaved"])

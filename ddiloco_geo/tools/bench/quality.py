@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     out = {
         "model": args.model, "learners": M, "steps_per_learner": args.steps,
         "tokens_total": args.steps * M * base.learner.batch_size * base.model.block_size,
-        "codec": base.run.codec, "dp_eval_loss": dp_loss, "dp_wall_s": dp_s,
+        "codec": base.run.codec, "corpus": base.data.corpus, "shard_layout": base.data.shard_layout,
+        "seed": args.seed, "overrides": list(args.overrides), "dp_eval_loss": dp_loss, "dp_wall_s": dp_s,
         "dp_lr": base.learner.lr * dp_scale, "dp_by_lr": {f"{base.learner.lr * k:g}": v for k, v in dp_runs.items()},
         "lr": main["lr"] if main else None, "ddiloco_by_lr": by_lr,
         "ddiloco_eval_loss": main["eval_loss"] if main else None,
