@@ -107,13 +107,14 @@ class Intake:
                  max_staleness: int, max_norm_ratio: float, max_deltas_per_min: int, quarantine_after: int,
                  fetch_concurrency: int, verifier: Any, require_signatures: bool, counters: dict[str, Any],
                  metrics: Any, step_times: StepTimes, now: Callable[[], float], signer: Any = None,
-                 max_seq_ahead: int = MAX_SEQ_AHEAD) -> None:
+                 max_seq_ahead: int = MAX_SEQ_AHEAD, adopt_newer: Callable[[int, int], Any] | None = None) -> None:
         self.store, self.spec, self.plan, self.fragments = store, spec, spec.plan, fragments
         self.max_staleness, self.max_norm_ratio = max_staleness, max_norm_ratio
         self.max_deltas_per_min, self.quarantine_after = max_deltas_per_min, quarantine_after
         self.fetch_concurrency, self.max_seq_ahead = fetch_concurrency, max_seq_ahead
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.counters, self.metrics, self.step_times, self.now = counters, metrics, step_times, now
+        self.adopt_newer = adopt_newer  # (fragment, version): adopt its newest verified version above that one
         self.recent: dict[str, deque] = defaultdict(deque)  # learner -> arrival times (rate limit)
         self.strikes: dict[str, int] = defaultdict(int)  # learner -> provable rejections in a row
         self.quarantined: set[str] = set()
@@ -296,6 +297,10 @@ class Intake:
             self.reject(key, dk, "rate_limit", f"more than {self.max_deltas_per_min} deltas a minute")
             return
         state = self.fragments[dk.fragment]
+        if header.base_version > state.version and self.adopt_newer is not None:
+            state = self._catch_up(dk, header.base_version)
+            if dk.seq <= state.consumed.get(dk.learner, -1):
+                return  # the syncer whose version was adopted has merged this very delta
         reason, detail, step_norm = self._validate(dk, header, pseudo_grad, state)
         if reason:
             self.reject(key, dk, reason, detail)
@@ -305,6 +310,17 @@ class Intake:
             self.step_times.update(dk.learner, float(step_s))
         self.strikes[dk.learner] = 0
         state.pending.append(PendingDelta(key, dk.learner, dk.seq, header, pseudo_grad, self.now(), step_norm))
+
+    def _catch_up(self, dk: layout.DeltaKey, base_version: int) -> FragmentState:
+        """A delta's base is newer than this syncer's version: if another syncer published that far (a
+        failover, or one still running), adopt its newest version, so the delta is judged against
+        what it was trained on instead of rejected as ``future_base``. Returns the fragment's state."""
+        try:
+            if max(protocol.list_versions(self.store, dk.fragment), default=-1) >= base_version:
+                self.adopt_newer(dk.fragment, self.fragments[dk.fragment].version)
+        except StorageError as exc:  # judged on what this syncer holds; the learner's next delta catches up
+            log.warning("catch_up_failed fragment=%d error=%s", dk.fragment, exc)
+        return self.fragments[dk.fragment]
 
     def _validate(self, dk: layout.DeltaKey, header: codec.Header, pg: dict[str, torch.Tensor],
                   state: FragmentState) -> tuple[str | None, str, float]:

@@ -124,7 +124,7 @@ class Syncer:
             max_deltas_per_min=max_deltas_per_min, quarantine_after=quarantine_after,
             fetch_concurrency=fetch_concurrency, verifier=verifier, require_signatures=require_signatures,
             counters=self.counters, metrics=self.metrics, step_times=self.step_times, now=now, signer=signer,
-            max_seq_ahead=max_seq_ahead)
+            max_seq_ahead=max_seq_ahead, adopt_newer=self._newest_adoptable)
         self.stopping = False
         self.draining = False
         self.closed = False
@@ -154,10 +154,10 @@ class Syncer:
         log.info("syncer_ready shard=%d/%d fragments=%d versions=%s", self.shard_index, self.num_shards,
                  len(self.owned), {p: s.version for p, s in self.fragments.items()})
 
-    def _newest_adoptable(self, p: int) -> int | None:
-        """Adopt the newest version of fragment ``p`` whose global and state verify; None if the
-        fragment has no version at all. The listing is read, not ``globals/HEAD`` (unsigned)."""
-        versions = sorted(protocol.list_versions(self.store, p), reverse=True)
+    def _newest_adoptable(self, p: int, above: int = -1) -> int | None:
+        """Adopt the newest version of fragment ``p`` above ``above`` whose global and state verify;
+        None if there is none. The listing is read, not ``globals/HEAD`` (unsigned)."""
+        versions = [v for v in sorted(protocol.list_versions(self.store, p), reverse=True) if v > above]
         for version in versions:
             try:
                 self._adopt_published(p, version)
@@ -166,7 +166,7 @@ class Syncer:
                 continue  # listed, then gone (or its state object is): try the one before
             except CodecError as exc:
                 record_forged(self.store, p, version, f"{exc.reason}: {exc.detail}", self.signer)
-        if versions:
+        if versions and above < 0:
             raise ForgedObjectError(
                 f"fragment {p}: none of its {len(versions)} published versions verifies with this syncer's keys. "
                 "If this is the run's syncer, check security.run_secret (it must be the run's); otherwise every "

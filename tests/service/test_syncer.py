@@ -433,6 +433,31 @@ def test_two_syncers_never_publish_two_objects_for_one_version(tiny_run):
     assert protocol.ledger(run.store)["deltas_unaccounted"] == 0
 
 
+def test_a_syncer_behind_adopts_the_newer_version_a_delta_was_trained_on(tiny_run):
+    """Two syncers (a failover, or one that has not stopped yet): s1 publishes version 1; a learner
+    trains on it and sends a delta on base 1. s2, still at version 0, adopts version 1 (it was never
+    told) and merges the delta instead of rejecting it as future_base; a delta s1 already merged is
+    not merged again."""
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})
+    s1, s2 = run.syncer(), run.syncer()
+    first = run.write_delta("a", 0, pg_const(run, 0, 0.1))
+    poll(s1)
+    assert s1.merge_ready() == 1
+    second = run.write_delta("a", 0, pg_const(run, 0, 0.2), base_version=1)
+    poll(s2)  # lists both: the first on its version 0, then the second on base 1
+    assert s2.counters["rejected_by_reason"] == {}
+    assert s2.fragments[0].version == 1 and [d.key for d in s2.fragments[0].pending] == [second]
+    assert s2.merge_ready() == 1
+    assert protocol.list_versions(run.store, 0) == [0, 1, 2]
+    assert [e["key"] for e in protocol.read_header(run.store, layout.global_key(0, 2)).extra["merged"]] == [second]
+    assert [e["key"] for e in protocol.read_header(run.store, layout.global_key(0, 1)).extra["merged"]] == [first]
+    # a base nobody published is still future_base, and costs no adoption
+    run.write_delta("a", 0, base_version=7)
+    poll(s2)
+    assert s2.counters["rejected_by_reason"] == {"future_base": 1} and s2.fragments[0].version == 2
+    assert protocol.ledger(run.store)["deltas_unaccounted"] == 0
+
+
 def test_drain_merges_below_quorum(tiny_run):
     run = tiny_run(**{"syncer.quorum": 3})
     syncer = run.syncer()
