@@ -171,8 +171,8 @@ class ShardReader:
             raise ValueError(
                 f"shard {shard}/{num_shards} holds {sum(b - a for a, b in spans)} bytes, fewer than "
                 f"2 * block_size + 1 = {2 * block_size + 1} in one piece; use a larger corpus or fewer learners"
+                + (" (or data.shard_layout='contiguous')" if layout == "interleaved" else "")
             )
-        self.start, self.end = self.spans[0][0], self.spans[-1][1]
         self.data, self.layout = train, layout
         self.shard, self.num_shards = shard, num_shards
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed

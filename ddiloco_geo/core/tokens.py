@@ -176,7 +176,8 @@ class TokenReader:
         self.spans = [(a, b) for a, b in spans if b - a >= 2 * block_size + 1]
         if not self.spans:
             raise ConfigError(f"token slice {shard}/{num_shards} holds {sum(b - a for a, b in spans)} tokens, fewer than "
-                              f"2 * block_size + 1 = {2 * block_size + 1} in one piece; use more data or fewer learners")
+                              f"2 * block_size + 1 = {2 * block_size + 1} in one piece; use more data or fewer learners"
+                              + (" (or data.shard_layout='contiguous')" if layout == "interleaved" else ""))
         self.start, self.end = self.spans[0][0], self.spans[-1][1]
         self.shard, self.num_shards, self.layout = shard, num_shards, layout
         self.block_size, self.batch_size, self.seed = block_size, batch_size, seed
@@ -193,8 +194,12 @@ class TokenReader:
         if epoch not in self._plans:
             rng = np.random.default_rng([self.seed, self.shard, epoch])
             offset = int(rng.integers(0, self.block_size))
-            num_windows = (self.end - self.start - 1 - offset) // self.block_size
-            num_chunks = -(-num_windows // self.chunk_windows) if self.layout == "contiguous" else len(self.spans)
+            if self.layout == "contiguous":
+                num_windows = (self.end - self.start - 1 - offset) // self.block_size
+                num_chunks = -(-num_windows // self.chunk_windows)
+            else:  # one chunk a stripe
+                num_windows = sum((b - a - 1 - offset) // self.block_size for a, b in self.spans)
+                num_chunks = len(self.spans)
             self._plans = {e: v for e, v in self._plans.items() if e >= epoch - 1}
             self._plans[epoch] = (offset, rng.permutation(num_chunks), num_windows)
         return self._plans[epoch]

@@ -114,7 +114,7 @@ class Intake:
         self.fetch_concurrency, self.max_seq_ahead = fetch_concurrency, max_seq_ahead
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.counters, self.metrics, self.step_times, self.now = counters, metrics, step_times, now
-        self.adopt_newer = adopt_newer  # (fragment, version): adopt its newest verified version above that one
+        self.adopt_newer = adopt_newer  # (fragment, version): adopt its newest verified version above that one, if any
         self.recent: dict[str, deque] = defaultdict(deque)  # learner -> arrival times (rate limit)
         self.strikes: dict[str, int] = defaultdict(int)  # learner -> provable rejections in a row
         self.quarantined: set[str] = set()
@@ -298,7 +298,7 @@ class Intake:
             return
         state = self.fragments[dk.fragment]
         if header.base_version > state.version and self.adopt_newer is not None:
-            state = self._catch_up(dk, header.base_version)
+            state = self._catch_up(dk)
             if dk.seq <= state.consumed.get(dk.learner, -1):
                 return  # the syncer whose version was adopted has merged this very delta
         reason, detail, step_norm = self._validate(dk, header, pseudo_grad, state)
@@ -311,13 +311,13 @@ class Intake:
         self.strikes[dk.learner] = 0
         state.pending.append(PendingDelta(key, dk.learner, dk.seq, header, pseudo_grad, self.now(), step_norm))
 
-    def _catch_up(self, dk: layout.DeltaKey, base_version: int) -> FragmentState:
-        """A delta's base is newer than this syncer's version: if another syncer published that far (a
-        failover, or one still running), adopt its newest version, so the delta is judged against
-        what it was trained on instead of rejected as ``future_base``. Returns the fragment's state."""
+    def _catch_up(self, dk: layout.DeltaKey) -> FragmentState:
+        """A delta's base is newer than this syncer's version: if another syncer published past it (a
+        failover, or one still running), adopt the newest version that verifies (one listing; no load
+        when nothing newer is published), so the delta is judged against what it was trained on
+        instead of rejected as ``future_base``. Returns the fragment's state."""
         try:
-            if max(protocol.list_versions(self.store, dk.fragment), default=-1) >= base_version:
-                self.adopt_newer(dk.fragment, self.fragments[dk.fragment].version)
+            self.adopt_newer(dk.fragment, self.fragments[dk.fragment].version)
         except StorageError as exc:  # judged on what this syncer holds; the learner's next delta catches up
             log.warning("catch_up_failed fragment=%d error=%s", dk.fragment, exc)
         return self.fragments[dk.fragment]

@@ -1,13 +1,14 @@
 """Corpora, the held-out split, shard readers and deterministic evaluation."""
 
 import json
+from typing import get_args
 
 import numpy as np
 import pytest
 import torch
 
-from ddiloco_geo.core.config import ModelConfig
-from ddiloco_geo.core.data import (STRIPE_WINDOWS, ShardReader, eval_batches, evaluate, load_corpus, shard_bounds,
+from ddiloco_geo.core.config import DataConfig, ModelConfig
+from ddiloco_geo.core.data import (SHARD_LAYOUTS, STRIPE_WINDOWS, ShardReader, eval_batches, evaluate, load_corpus, shard_bounds,
                                    shard_stripes, split)
 from ddiloco_geo.core.errors import ConfigError
 from ddiloco_geo.core.model import build_model
@@ -129,7 +130,8 @@ def test_interleaved_shards_are_disjoint_cover_the_bytes_and_span_the_corpus(num
             assert all(owner[int(r[0])] == i and owner[int(r[-1]) + 1] == i for r in x)  # x and its target inside
             seen.extend(x[:, 0].tolist())
         # the epoch's windows, every one once, reach from the first tenth of the corpus to the last
-        assert len(seen[:len(set(seen))]) == len(set(seen))
+        count = len(reader._starts(0))
+        assert len(set(seen[:count])) == count and set(seen) >= set(reader._starts(0).tolist())
         assert min(seen) < n // 10 and max(seen) > n - n // 10 - stripe * num_shards
 
 
@@ -149,7 +151,8 @@ def test_contiguous_layout_reads_the_windows_it_always_read():
 def test_shard_layout_is_checked():
     with pytest.raises(ValueError, match="shard layout"):
         shard_stripes(1000, 0, 2, 64, "striped")
-    with pytest.raises(ValueError, match="fewer learners"):  # 5000 bytes are two stripes: none for shard 3
+    assert get_args(DataConfig.model_fields["shard_layout"].annotation) == SHARD_LAYOUTS
+    with pytest.raises(ValueError, match="fewer learners.*shard_layout='contiguous'"):  # 5000 bytes are two stripes: none for shard 3
         ShardReader(np.zeros(5000, dtype=np.uint8), 3, 4, block_size=64, batch_size=2, seed=0, layout="interleaved")
 
 

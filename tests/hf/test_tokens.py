@@ -95,7 +95,7 @@ def test_interleaved_slices_deal_chunks_round_robin_and_walk_each_window_once(sh
             owner[a:b] = i
     assert (owner[:-1024] >= 0).all()  # only a last stripe too short for a window is left out
     r = readers[1]
-    offset, order, _ = r._epoch_plan(0)
+    offset, order, num_windows = r._epoch_plan(0)
     seen = []
     while r.epoch == 0:
         x, y, _ = r.next_batch()
@@ -105,7 +105,7 @@ def test_interleaved_slices_deal_chunks_round_robin_and_walk_each_window_once(sh
     for a, b in r.spans:  # every window of every stripe of this slice, from the epoch's offset
         full = r.source.read(a, b)
         expected += [int(full[offset + k * BLOCK]) for k in range((b - a - 1 - offset) // BLOCK)]
-    assert sorted(seen[:len(expected)]) == sorted(expected)
+    assert sorted(seen[:len(expected)]) == sorted(expected) and len(expected) == num_windows
     with pytest.raises(ConfigError, match="fewer learners"):  # more slices than chunks: this one has none
         _reader(data, 9_999, 10_000)
 
