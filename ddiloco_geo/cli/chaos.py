@@ -20,6 +20,7 @@ from ddiloco_geo.cli.settings import cli_overrides
 from ddiloco_geo.core import config
 from ddiloco_geo.core.config import Settings
 from ddiloco_geo.tools.chaos import CHAOS_DEFAULTS, LONG, SHORT, ChaosRun, emulator_credentials, plan_schedule
+from ddiloco_geo.tools.chaos.baseline import BASELINE_RUNS
 
 SUMMARY_KEYS = ("downtime_s", "stalls", "goodput", "goodput_baseline", "deltas_written", "deltas_merged",
                 "deltas_rejected", "deltas_unaccounted", "final_eval_loss", "baseline_eval_loss", "loss_ratio",
@@ -33,7 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, help="rounds of chaos events (default 1; --long 3)")
     p.add_argument("--long", action="store_true", help="the benchmark: more learners, steps and rounds")
     p.add_argument("--out", default="chaos-out", help="directory for chaos.json, plan.json and logs (default ./chaos-out)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the fault-free baseline run (no loss_ratio)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the fault-free baseline runs (no loss_ratio)")
+    p.add_argument("--baseline-runs", type=int, default=BASELINE_RUNS, choices=range(1, 11), metavar="N",
+                   help=f"fault-free runs the chaos run's loss is compared with (default {BASELINE_RUNS}): "
+                        "their line at its tokens merged, with a standard error")
     p.add_argument("--timeout", type=float, help="hard overall timeout in seconds (default 900; --long 3600)")
     p.add_argument("--sample-s", type=float, default=0.5, help="heartbeat sampling interval (default 0.5 s)")
     p.add_argument("--plan-only", action="store_true", help="print the schedule for --seed and exit")
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     # finally blocks stop every learner, syncer and server this run started, by PID
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     chaos = ChaosRun(settings, plan, out=Path(args.out).resolve(), sample_s=args.sample_s,
-                     timeout_s=shape["timeout"], baseline=not args.no_baseline, base_url=base_url)
+                     timeout_s=shape["timeout"], baseline=0 if args.no_baseline else args.baseline_runs, base_url=base_url)
     report = chaos.run()
     if args.json:
         print(json.dumps(report, indent=1, default=str))

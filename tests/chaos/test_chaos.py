@@ -506,41 +506,63 @@ def test_the_loss_comparison_says_how_far_apart_the_runs_are_in_steps_taken_and_
     assert "goodput x steps" in c["how"] and c["baseline_loss_taken"] == "single"
     assert c["baseline_runs"] == [{k: first[k] for k in ("store", "max_steps", "learner_steps", "delivered_steps",
                                                          "eval_loss")}]
-    # two runs: interpolated at the chaos run's delivered steps, or the nearer run's
+    # several runs: a line through them at the chaos run's delivered steps, or at the nearer end of their span
     second = {**first, "store": "s3://b/baseline-x-2", "max_steps": 110, "learner_steps": 350, "delivered_steps": 345.0}
-    c = loss_comparison(report, [first, second], "interpolated")
+    c = loss_comparison({**report, "baseline_eval_loss": 2.5, "final_eval_loss": 2.55}, [first, second], "fit", 0.02)
     assert c["delivered_ratio"] == 1.0 and len(c["baseline_runs"]) == 2 and c["baseline_max_steps"] == 118
-    c = loss_comparison(report, [first, {**second, "delivered_steps": 360.0}], "nearest")
+    assert c["baseline_loss_se"] == 0.02 and c["loss_ratio_se"] == round(2.55 / 2.5 * 0.02 / 2.5, 4)
+    c = loss_comparison(report, [first, {**second, "delivered_steps": 360.0}], "fit")
     assert c["baseline_delivered_steps"] == 360.0 and c["delivered_ratio"] == round(352.8 / 360, 4)
+    assert c["baseline_loss_se"] is None and c["loss_ratio_se"] is None
     # without a goodput (nothing merged, or an unreadable baseline) there is no ratio, and no crash
     c = loss_comparison({"steps_taken": 441, "goodput": None}, [{**first, "delivered_steps": None}])
     assert c["delivered_ratio"] is None and c["steps_ratio"] == round(441 / 387, 4)
 
 
 @pytest.mark.unit
-def test_a_second_baseline_runs_only_when_the_first_missed_the_chaos_runs_tokens():
-    from ddiloco_geo.tools.chaos.baseline import TOLERANCE, next_max_steps
-    # 6% more delivered than the chaos run: a second run aimed as far below the target (or above)
-    assert next_max_steps(400.0, {"delivered_steps": 424.0}, 133) == round(133 * (400 / 424) ** 2)
-    assert next_max_steps(400.0, {"delivered_steps": 376.0}, 133) == round(133 * (400 / 376) ** 2)
-    assert next_max_steps(400.0, {"delivered_steps": 400.0 * (1 + TOLERANCE)}, 133) is None  # close enough
-    assert next_max_steps(None, {"delivered_steps": 424.0}, 133) is None  # no chaos goodput
-    assert next_max_steps(400.0, {"delivered_steps": None}, 133) is None  # no baseline goodput
-    assert next_max_steps(2.0, {"delivered_steps": 2.1}, 1) is None  # rounds to the same max_steps
+def test_each_later_baseline_is_aimed_so_that_the_runs_average_the_chaos_runs_tokens():
+    from ddiloco_geo.tools.chaos.baseline import SPREAD, next_max_steps
+    first = {"max_steps": 133, "delivered_steps": 424.0}  # 3 learners, 6% past M x max_steps
+    overshoot = 424.0 / (3 * 133)
+    # 6% more delivered than the chaos run: the second is aimed as far below, through the overshoot
+    assert next_max_steps(400.0, [first], 3) == round((2 * 400 - 424) / (3 * overshoot))
+    second = {"max_steps": 118, "delivered_steps": 372.0}
+    mean_overshoot = (overshoot + 372.0 / (3 * 118)) / 2
+    assert next_max_steps(400.0, [first, second], 3) == round((3 * 400 - 424 - 372) / (3 * mean_overshoot))
+    # never aimed further than SPREAD from the target, whatever the runs before did
+    assert next_max_steps(400.0, [{"max_steps": 100, "delivered_steps": 900.0}], 3) == \
+        round((1 - SPREAD) * 400 / (3 * 3.0))
+    assert next_max_steps(None, [first], 3) is None  # no chaos goodput
+    assert next_max_steps(400.0, [{"max_steps": 133, "delivered_steps": None}], 3) is None  # no baseline goodput
+    assert next_max_steps(2.0, [{"max_steps": 1, "delivered_steps": 30.0}], 3) == 1  # never 0
 
 
 @pytest.mark.unit
-def test_the_baseline_loss_is_interpolated_at_the_chaos_runs_tokens_never_extrapolated():
+def test_the_baseline_loss_is_a_line_through_the_runs_at_the_chaos_runs_tokens_never_extrapolated():
     from ddiloco_geo.tools.chaos.baseline import equal_token_loss
-    assert equal_token_loss([(420.0, 2.50)], 400.0) == (2.50, "single")
-    assert equal_token_loss([(420.0, 2.50), (380.0, 2.54)], 400.0) == (pytest.approx(2.52), "interpolated")
-    assert equal_token_loss([(380.0, 2.54), (420.0, 2.50)], 410.0) == (pytest.approx(2.51), "interpolated")
-    # both runs on one side: the nearer one, not a line through two noisy losses
-    assert equal_token_loss([(420.0, 2.50), (405.0, 2.53)], 400.0) == (2.53, "nearest")
-    assert equal_token_loss([(390.0, 2.53), (395.0, 2.40)], 400.0) == (2.40, "nearest")
-    # no target, or a run without a delivered figure: the first run
-    assert equal_token_loss([(420.0, 2.50), (380.0, 2.54)], None) == (2.50, "single")
-    assert equal_token_loss([(None, 2.50), (380.0, 2.54)], 400.0) == (2.50, "single")
+    assert equal_token_loss([(420.0, 2.50)], 400.0) == (2.50, "single", None)
+    loss, how, se = equal_token_loss([(420.0, 2.50), (380.0, 2.54)], 400.0)  # two runs: the line between them
+    assert (loss, how, se) == (pytest.approx(2.52), "fit", None)  # no residual left to say how noisy
+    # three runs: least squares, and a standard error from the residuals
+    pts = [(380.0, 2.55), (400.0, 2.51), (420.0, 2.51)]
+    loss, how, se = equal_token_loss(pts, 400.0)
+    mean = sum(y for _, y in pts) / 3
+    assert how == "fit" and loss == pytest.approx(mean)  # at the runs' mean tokens: their mean loss
+    slope = (2.51 - 2.55) / 40  # least squares through the three
+    resid = [y - (mean + slope * (x - 400)) for x, y in pts]
+    assert se == pytest.approx((sum(r * r for r in resid) / (3 - 2) / 3) ** 0.5)
+    loss_at_410, _, se_410 = equal_token_loss(pts, 410.0)
+    assert loss_at_410 == pytest.approx(mean + slope * 10) and se_410 > se  # further from the mean: less sure
+    # outside the runs' span: the line at its nearer end, not a line through noisy losses extended
+    assert equal_token_loss([(420.0, 2.50), (405.0, 2.53)], 400.0)[0] == pytest.approx(2.53)
+    far = [(390.0, 2.53), (395.0, 2.40), (370.0, 2.60)]
+    assert equal_token_loss(far, 500.0)[0] == pytest.approx(equal_token_loss(far, 395.0)[0])
+    # runs at (almost) the same tokens say nothing about a slope: their mean, with s / sqrt(n)
+    loss, how, se = equal_token_loss([(400.0, 2.50), (402.0, 2.56), (399.0, 2.53)], 400.0)
+    assert (loss, how) == (pytest.approx(2.53), "mean") and se == pytest.approx(0.03 / 3**0.5)
+    # no target, or fewer than two runs with a delivered figure: the first run
+    assert equal_token_loss([(420.0, 2.50), (380.0, 2.54)], None) == (2.50, "single", None)
+    assert equal_token_loss([(None, 2.50), (380.0, 2.54)], 400.0) == (2.50, "single", None)
 
 
 @pytest.mark.unit
@@ -577,11 +599,18 @@ def test_the_baseline_report_compares_at_the_chaos_runs_tokens_merged(monkeypatc
     report = {"steps_taken": 400, "goodput": 1.0, "final_eval_loss": 2.30}
     baseline.run_baseline(settings, report, url="s3://b/base", out=tmp_path / "baseline", env={},
                           deadline=time.monotonic() + 600)
-    assert calls == [(133, "s3://b/base", "baseline"), (round(133 * (400 / 423) ** 2), "s3://b/base-2", "baseline-2")]
+    assert [c[1:] for c in calls] == [("s3://b/base", "baseline"), ("s3://b/base-2", "baseline-2"),
+                                      ("s3://b/base-3", "baseline-3")]  # three runs by default
+    assert calls[0][0] == 133 and calls[1][0] == round((800 - 423) / (3 * 1.06)) and calls[1][0] < 133
     c = report["loss_comparison"]
-    assert c["baseline_loss_taken"] == "interpolated" and c["delivered_ratio"] == 1.0
-    assert report["baseline_eval_loss"] == pytest.approx(2.60 - 0.001 * 400)  # the loss at 400 steps merged
-    assert report["loss_ratio"] == round(2.30 / (2.60 - 0.4), 4) and report["baseline_store"] == "s3://b/base"
+    assert c["baseline_loss_taken"] == "fit" and c["delivered_ratio"] == 1.0 and len(c["baseline_runs"]) == 3
+    assert report["baseline_eval_loss"] == pytest.approx(2.60 - 0.001 * 400, abs=2e-5)  # the loss at 400 steps merged
+    assert report["loss_ratio"] == round(2.30 / report["baseline_eval_loss"], 4)
+    assert report["baseline_store"] == "s3://b/base" and c["baseline_loss_se"] == pytest.approx(0, abs=1e-4)
+    calls.clear()
+    baseline.run_baseline(settings, {"steps_taken": 400, "goodput": 1.0, "final_eval_loss": 2.30}, url="s3://b/base",
+                          out=tmp_path / "baseline", env={}, deadline=time.monotonic() + 600, runs=1)
+    assert len(calls) == 1
     # no time left for a second run: the first alone, as near as it came
     calls.clear()
     report = {"steps_taken": 400, "goodput": 1.0, "final_eval_loss": 2.30}
@@ -597,7 +626,7 @@ def test_the_baseline_report_compares_at_the_chaos_runs_tokens_merged(monkeypatc
 
 
 @pytest.mark.unit
-def test_a_failed_second_baseline_leaves_the_comparison_with_the_first(monkeypatch, tmp_path):
+def test_a_failed_later_baseline_leaves_the_comparison_with_the_runs_before_it(monkeypatch, tmp_path):
     import time
 
     from ddiloco_geo.core import config

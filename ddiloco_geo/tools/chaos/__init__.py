@@ -33,7 +33,8 @@ bucket and reports (definitions in ``docs/chaos.md``):
 ``deltas_*``     the ledger: written = merged (incl. superseded) + rejected; unaccounted must be 0.
 ``loss_ratio``   final eval loss of the global model / that of a fault-free run with the same
                  settings (M, model and data seed) run by the same command, at equal tokens merged
-                 (one or two runs, interpolated: :mod:`~.baseline`; ``--no-baseline`` skips it).
+                 (``--baseline-runs``, default 3, a line through their losses, with its standard
+                 error: :mod:`~.baseline`; ``--no-baseline`` skips them).
 ``recovery_s``   ``notice_to_exit`` (SIGTERM -> exit, learners), ``restart_to_first_merge``
                  (restart -> ``published_at`` of the first merge record holding a delta of the new
                  incarnation), and more.

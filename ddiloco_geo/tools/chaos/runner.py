@@ -21,7 +21,7 @@ from typing import Any
 
 from ddiloco_geo.core.config import Settings
 from ddiloco_geo.storage import open_store
-from ddiloco_geo.tools.chaos.baseline import run_baseline
+from ddiloco_geo.tools.chaos.baseline import BASELINE_RUNS, run_baseline
 from ddiloco_geo.tools.chaos.goals import goals
 from ddiloco_geo.tools.chaos.report import build_report
 from ddiloco_geo.tools.chaos.supervisor import Supervisor
@@ -34,11 +34,12 @@ log = logging.getLogger(__name__)
 class ChaosRun:
     """``plan`` (from :func:`~ddiloco_geo.tools.chaos.plan.plan_schedule`) played against a real job.
 
-    ``base_url``: ``s3://BUCKET[/PREFIX]`` to run under (default: a fresh bucket); ``env``: the
-    children's base environment (default: this process's, without ``DDILOCO_*``)."""
+    ``baseline``: fault-free runs to compare with (0: none); ``base_url``: ``s3://BUCKET[/PREFIX]`` to
+    run under (default: a fresh bucket); ``env``: the children's base environment (default: this
+    process's, without ``DDILOCO_*``)."""
 
     def __init__(self, settings: Settings, plan: dict[str, Any], *, out: Path, sample_s: float = 0.5,
-                 timeout_s: float = 900.0, baseline: bool = True, base_url: str | None = None,
+                 timeout_s: float = 900.0, baseline: int = BASELINE_RUNS, base_url: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         self.settings = settings
         self.plan = plan
@@ -83,9 +84,9 @@ class ChaosRun:
                 report = build_report(sup, store, testbed, Evaluator.from_settings(settings))
             finally:
                 store.close()
-            if self.baseline and not sup.timed_out:
+            if self.baseline > 0 and not sup.timed_out:
                 run_baseline(settings, report, url=testbed.baseline_url, out=self.out / "baseline",
-                             env=testbed.child_env, deadline=deadline)
+                             env=testbed.child_env, deadline=deadline, runs=self.baseline)
             report["wall_s"] = round(time.time() - t0, 1)
             report["goals"] = goals(report)
             report["ok"] = all(report["goals"].values())
