@@ -117,6 +117,11 @@ def test_a_learner_killed_while_stepping_steps_until_the_signal():
     assert compute_downtime([a])[0] == 0
     frozen = {"obs": beats(0, 5) + [(6.0, 10)], "end": 8.0, "signalled_at": 8.0}
     assert compute_downtime([frozen])[0] == pytest.approx(3.0)  # frozen from 5 until the kill at 8
+    # chaos seed 39: one heartbeat, already at step 18 with a step time, then killed 0.3 s later while
+    # the others had not written their first: it was stepping; without a step time nothing says so
+    once = {"obs": [(7.4, 18)], "end": 7.7, "signalled_at": 7.7, "first_stepped": True}
+    assert compute_downtime([once])[0] == 0
+    assert compute_downtime([{**once, "first_stepped": False}])[0] == pytest.approx(0.3)
 
 
 # --- stalls --------------------------------------------------------------------------------------

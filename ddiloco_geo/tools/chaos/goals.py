@@ -89,10 +89,13 @@ def compute_downtime(series: list[dict[str, Any]], gap_s: float = 10.0) -> tuple
     ``series``: one dict per incarnation with ``obs`` = [(heartbeat time, step), ...] (running
     heartbeats only, in time order), ``end`` (when it stopped counting as alive: the signal time, its
     last step at ``max_steps``, or its exit; default its last observation) and optionally
-    ``signalled_at``. An incarnation is alive from its first heartbeat (after joining) to ``end``; it
-    is stepping between two consecutive observations whose step advanced (at most ``gap_s`` before
-    the later one, so a long silence is not taken for progress), and, if it was signalled while
-    stepping, from its last observation up to the signal (at most ``gap_s``). Downtime is the time
+    ``signalled_at`` and ``first_stepped`` (its first heartbeat already says it has taken a step: a
+    step time). An incarnation is alive from its first heartbeat (after joining) to ``end``; it is
+    stepping between two consecutive observations whose step advanced (at most ``gap_s`` before the
+    later one, so a long silence is not taken for progress), and, if it was signalled while stepping
+    (its last two observations advanced, or its only one was ``first_stepped``: chaos seed 39 killed
+    a learner 0.3 s after the one heartbeat it wrote, before the others' first, and that read as
+    downtime), from its last observation up to the signal (at most ``gap_s``). Downtime is the time
     some incarnation was alive and none was stepping. Returns (seconds, intervals).
     """
     alive, stepping = [], []
@@ -107,7 +110,8 @@ def compute_downtime(series: list[dict[str, Any]], gap_s: float = 10.0) -> tuple
             if s1 > s0:
                 stepping.append((max(t0, t1 - gap_s), t1))
         sig = s.get("signalled_at")
-        if sig is not None and len(obs) >= 2 and obs[-1][1] > obs[-2][1]:
+        was_stepping = obs[-1][1] > obs[-2][1] if len(obs) >= 2 else bool(s.get("first_stepped"))
+        if sig is not None and was_stepping:
             stepping.append((obs[-1][0], min(sig, obs[-1][0] + gap_s)))
     down = subtract(alive, stepping)
     return sum(b - a for a, b in down), down

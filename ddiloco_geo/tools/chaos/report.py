@@ -159,7 +159,8 @@ def heartbeat_series(learners: list[Proc]) -> list[dict[str, Any]]:
             end = min((t for t, step in obs if step == last), default=p.done_at)
         else:
             end = min(p.exit_time, obs[-1][0]) if (obs and p.exit_time) else None
-        series.append({"obs": obs, "end": end, "signalled_at": p.signalled_at})
+        series.append({"obs": obs, "end": end, "signalled_at": p.signalled_at,
+                       "first_stepped": bool(p.obs) and p.obs[0][3] is not None})
     return series
 
 
