@@ -115,6 +115,7 @@ class Intake:
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.counters, self.metrics, self.step_times, self.now = counters, metrics, step_times, now
         self.adopt_newer = adopt_newer  # (fragment, version): adopt its newest verified version above that one, if any
+        self.polls = 0  # deltas the first poll finds were delivered before this syncer served: a backlog
         self.recent: dict[str, deque] = defaultdict(deque)  # learner -> arrival times (rate limit)
         self.strikes: dict[str, int] = defaultdict(int)  # learner -> provable rejections in a row
         self.quarantined: set[str] = set()
@@ -156,6 +157,7 @@ class Intake:
         for key, fetched in zip(todo, results):
             self._accept_or_reject(key, fetched)
         self._move_cursors()
+        self.polls += 1
         return len(todo)
 
     def _refresh_quarantine(self) -> None:
@@ -309,7 +311,8 @@ class Intake:
         if isinstance(step_s, (int, float)) and 0 < step_s < 3600:
             self.step_times.update(dk.learner, float(step_s))
         self.strikes[dk.learner] = 0
-        state.pending.append(PendingDelta(key, dk.learner, dk.seq, header, pseudo_grad, self.now(), step_norm))
+        state.pending.append(PendingDelta(key, dk.learner, dk.seq, header, pseudo_grad, self.now(), step_norm,
+                                          backlog=self.polls == 0))
 
     def _catch_up(self, dk: layout.DeltaKey) -> FragmentState:
         """A delta's base is newer than this syncer's version: if another syncer published past it (a

@@ -16,6 +16,9 @@ Decoupled DiLoCo (arXiv 2604.21428), per fragment p:
    2026-12-04 the window ran from the first delta's arrival, usually long before the round opened,
    so it had passed by the time the merge was allowed and a delta arriving just after the opening
    waited a whole period; and ξ_quorum counted the wait for the spacing, which took the slack to 0.
+   A round whose quorum the syncer's first poll met (a backlog delivered while it was not serving:
+   a restart or a failover) merges without a grace window: the stragglers had the whole outage
+   (chaos seed 39: a replacement syncer's grace kept work waiting past three fragment periods).
 
 A merge (:func:`build_merge`): of several deltas of one learner on the same base the newest
 supersedes the older (deltas are cumulative since the learner adopted that base); each delta is
@@ -79,7 +82,8 @@ class RoundPolicy:
             self.ema_quorum.update(waited)
             if on_quorum is not None:
                 on_quorum(waited)
-        return now >= state.quorum_s + self.grace_s()
+        backlog = len({d.learner for d in state.pending if d.backlog}) >= self.quorum
+        return backlog or now >= state.quorum_s + self.grace_s()
 
 
 def learner_step(header) -> int | None:

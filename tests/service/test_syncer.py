@@ -61,6 +61,7 @@ def test_grace_window_spends_only_the_slack(tiny_run):
     run = tiny_run(**{"syncer.grace_gamma": 0.5})
     syncer = run.syncer()
     syncer.step_times.update("a", 1.0)  # learners take 1 s per step; tau = 2 -> slack 2 s, grace 1 s
+    poll(syncer)  # serving before the delta arrives (deltas its first poll finds are a backlog)
     run.write_delta("a", 1)
     poll(syncer)
     state = syncer.fragments[1]
@@ -79,6 +80,28 @@ def test_grace_window_spends_only_the_slack(tiny_run):
     syncer.step_times.update("d", 0.1)
     syncer.ema_sync.value = 0.5
     assert syncer.grace_s(state) == 0.0
+
+
+def test_a_backlog_found_by_a_syncers_first_poll_merges_without_a_grace_window(tiny_run):
+    """Deltas delivered while no syncer served (a restart, a failover) had the whole outage to
+    arrive: the replacement merges them at once instead of opening a grace window for stragglers
+    (chaos seed 39: that window kept work waiting past three fragment periods). What arrives after
+    its first poll waits for the window as before."""
+    run = tiny_run(**{"syncer.grace_gamma": 0.5})
+    run.write_delta("a", 1)
+    run.write_delta("b", 2)
+    syncer = run.syncer()
+    syncer.step_times.update("a", 1.0)  # grace 1 s, as above
+    poll(syncer)
+    assert syncer.grace_s(syncer.fragments[1]) == pytest.approx(1.0)
+    assert syncer.merge_ready() == 2 and run.clock() == 0  # both fragments at once, no time spent
+    run.write_delta("a", 1, seq=1)
+    poll(syncer)
+    assert syncer.merge_ready() == 0  # a delta after the first poll: merge spacing (H x 1 s), then the window
+    run.clock.t = 4.5
+    assert syncer.merge_ready() == 0
+    run.clock.t = 5.01
+    assert syncer.merge_ready() == 1
 
 
 def test_merge_applies_token_weighted_rda_and_nesterov(tiny_run):
