@@ -71,19 +71,30 @@ class RunClock:
     their places, up to this learner's own ``max_steps``. Without this a learner left running alone
     through a syncer restart dropped its peers, took the median of its own step and finished the
     whole schedule alone (chaos seed 22: steps 27 to 123 of 120 in 7 s while the others restarted,
-    its final merges setting every fragment to its model; the run ended 3-6% worse than fault-free)."""
+    its final merges setting every fragment to its model; the run ended 3-6% worse than fault-free).
+    While held, the position is at least the **mean** of its step and the held steps (each at most
+    ``max_steps``): those frozen steps and its own are all the run's progress it can see, and their
+    median alone froze it (chaos seed 39: a learner trained steps 40 to 140 at position 16, near the
+    peak learning rate, while the syncer restarted and both its peers were restarting; the run ended
+    6% worse than fault-free). And the position never goes back: the run's progress does not shrink
+    when this learner stops hearing from a peer (a peer that finished drops out, a hold ends) and a
+    learning rate that rose again late in the run undid its annealing (seed 13: a restarted learner
+    went from position 89 to 69 when its finished peers dropped out, and trained its last 50 steps
+    alone on a rising, then falling, rate)."""
 
     def __init__(self, me: str, sync_every: int, max_steps: int, live_periods: float = 3.0) -> None:
         self.me, self.floor, self.max_steps, self.live_periods = me, max(1, sync_every), max_steps, live_periods
         self.seen: dict[str, tuple[int, int, int]] = {}  # learner -> (its step, our step when it advanced, the gap before)
         self.mine: tuple[int, int] | None = None  # (our newest merged step, our step when it advanced)
+        self.last = 0  # the position returned last: it never goes back
 
     def position(self, own_step: int, steps: dict[str, int]) -> int:
         merged = steps.get(self.me, 0)
         if self.mine is None or merged > self.mine[0]:
             self.mine = (merged, own_step)
-        if own_step - self.mine[1] > self.live_periods * self.floor and own_step < self.max_steps:
-            self.seen = {learner: (step, own_step, gap) for learner, (step, _, gap) in self.seen.items()}  # held
+        held = own_step - self.mine[1] > self.live_periods * self.floor and own_step < self.max_steps
+        if held:
+            self.seen = {learner: (step, own_step, gap) for learner, (step, _, gap) in self.seen.items()}
         for learner, step in steps.items():
             prev = self.seen.get(learner)
             if learner != self.me and (prev is None or step > prev[0]):
@@ -91,9 +102,12 @@ class RunClock:
         live = [step for step, at, gap in self.seen.values()
                 if own_step - at <= self.live_periods * max(self.floor, gap)]
         median = run_position(own_step, live)
+        if held:
+            median = max(median, (own_step + sum(min(step, self.max_steps) for step in live)) // (1 + len(live)))
         if own_step + sum(live) < self.max_steps * (1 + len(live)):
-            return min(median, self.max_steps - 1)
-        return median
+            median = min(median, self.max_steps - 1)
+        self.last = max(self.last, median)
+        return self.last
 
 
 def joining_step(headers: list[Header], me: str, schedule: str, newest: Header | None = None) -> int:

@@ -495,8 +495,9 @@ def test_the_run_schedule_drops_learners_that_stopped_advancing():
     assert clock.position(125, {"a": 125, "b": 100, "c": 100}) == 100  # 25 steps: within three periods
     assert clock.position(130, {"a": 130, "b": 100, "c": 100}) == 100
     assert clock.position(131, {"a": 131, "b": 100, "c": 100}) == 131  # heard from 31 steps ago: dropped
-    # one comes back (restarted), the median counts it again
-    assert clock.position(140, {"a": 140, "b": 120, "c": 100}) == 130
+    # one comes back (restarted), the median counts it again (130), but the position never goes back
+    assert clock.position(140, {"a": 140, "b": 120, "c": 100}) == 131
+    assert clock.position(150, {"a": 150, "b": 140, "c": 100}) == 145  # c still silent: the median of a and b
     # a slow learner that advances every 40 of our steps stays counted for three of its intervals
     slow = RunClock("a", sync_every=10, max_steps=1000)
     for own in range(0, 201, 40):
@@ -509,16 +510,21 @@ def test_the_run_schedule_keeps_its_peers_while_nothing_is_merged():
     """Chaos seed 22: with the syncer down and its peers restarting, a learner heard from nobody,
     its own deltas unmerged too, dropped its peers and finished the whole schedule alone. While its
     own merged step does not advance either, nobody's silence says anything: the peers keep their
-    places (up to its own max_steps), and once merges resume they have a fresh window to show up."""
+    places (up to its own max_steps), and once merges resume they have a fresh window to show up.
+    Chaos seed 39: held, the median of its step and its peers' frozen ones froze its position (at 16,
+    near the peak learning rate, for 100 steps): while held it is at least their mean, so the learning
+    rate anneals with the progress it can see; and it never goes back when the hold ends."""
     from ddiloco_geo.learner.schedule import RunClock
 
     clock = RunClock("a", sync_every=10, max_steps=120)
     for own in range(0, 31, 5):
         clock.position(own, {"a": own, "b": own, "c": own})
-    for own in range(31, 110):  # the syncer is down: nothing new merged, a keeps stepping
-        assert clock.position(own, {"a": 30, "b": 30, "c": 30}) == 30
-    assert clock.position(110, {"a": 110, "b": 30, "c": 30}) == 30  # merges resume: b and c get a window
-    assert clock.position(139, {"a": 139, "b": 30, "c": 30}) == 30
+    for own in range(31, 61):  # the syncer is down: nothing new merged, a keeps stepping
+        assert clock.position(own, {"a": 30, "b": 30, "c": 30}) == 30  # within three periods: b, c as they were
+    for own in range(61, 110):  # held: b and c keep their places, and the position is their mean with a's
+        assert clock.position(own, {"a": 30, "b": 30, "c": 30}) == (own + 60) // 3
+    assert clock.position(110, {"a": 110, "b": 30, "c": 30}) == 56  # merges resume: b and c get a window,
+    assert clock.position(139, {"a": 139, "b": 30, "c": 30}) == 56  # and the position does not go back to 30
     assert clock.position(140, {"a": 140, "b": 30, "c": 30}) == 140  # not heard from since: dropped
     # past its own max_steps a learner whose deltas are never merged stops holding: three periods on
     # its peers drop out and it stops
