@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import statistics
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -172,18 +174,15 @@ def equal_token_loss(points: Iterable[tuple[float | None, float]], target: float
         return points[0][1], "single", None
     n = len(known)
     xs, ys = [p[0] for p in known], [p[1] for p in known]
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
     if max(xs) - min(xs) < FLAT * target:
-        sd = (sum((y - my) ** 2 for y in ys) / (n - 1)) ** 0.5
-        return my, "mean", sd / n**0.5
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        return statistics.fmean(ys), "mean", statistics.stdev(ys) / n**0.5
+    slope, intercept = statistics.linear_regression(xs, ys)
     at = min(max(target, min(xs)), max(xs))
-    loss = my + slope * (at - mx)
     if n < 3:
-        return loss, "fit", None
-    s = (sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys)) / (n - 2)) ** 0.5
-    return loss, "fit", s * (1 / n + (at - mx) ** 2 / sxx) ** 0.5
+        return intercept + slope * at, "fit", None
+    mx = statistics.fmean(xs)
+    s = math.sqrt(sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys)) / (n - 2))
+    return intercept + slope * at, "fit", s * math.sqrt(1 / n + (at - mx) ** 2 / sum((x - mx) ** 2 for x in xs))
 
 
 def loss_comparison(report: dict[str, Any], runs: list[dict[str, Any]], taken: str = "single",
