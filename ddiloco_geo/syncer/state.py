@@ -37,7 +37,7 @@ class PendingDelta:
     pseudo_grad: dict[str, torch.Tensor]
     arrived_s: float
     step_norm: float  # ||pseudo_grad|| / num_steps, computed once by intake's norm check
-    backlog: bool = False  # found by the syncer's first poll: delivered while no syncer of this one's served
+    backlog: bool = False  # found by this syncer's first poll: delivered before it served (rounds.RoundPolicy.ready)
 
 
 @dataclass

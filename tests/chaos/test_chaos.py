@@ -571,6 +571,15 @@ def test_the_baseline_loss_is_a_line_through_the_runs_at_the_chaos_runs_tokens_n
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("runs", ["0", "11", "two"])
+def test_a_baseline_run_count_outside_1_to_10_is_refused_with_the_range(runs, capsys):
+    from ddiloco_geo.cli.main import main
+    with pytest.raises(SystemExit) as exc:
+        main(["chaos", "--seed", "1", "--baseline-runs", runs, "--plan-only"])
+    assert exc.value.code == 2 and "--baseline-runs" in capsys.readouterr().err  # argparse names it and the choices
+
+
+@pytest.mark.unit
 def test_the_baseline_runs_as_many_learner_steps_as_the_chaos_run_delivered():
     from ddiloco_geo.core import config
     from ddiloco_geo.tools.chaos.baseline import equal_token_steps
