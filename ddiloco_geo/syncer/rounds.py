@@ -227,7 +227,9 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     pulling back what others merged since its base). ``clip_ratio``: the merge guard, see
     :func:`clip_factor`; a clipped contributor's entry records the factor (``clip``). ``sparse``:
     ``dense`` or ``per_index`` (:func:`ddiloco_geo.core.merge.per_index_mean`, for top-k deltas).
-    ``final_merge``: ``average`` averages the learners' models in a merge holding a final delta
+    ``final_merge``: ``average`` averages the learners' models in a merge holding a final delta, every
+    contribution but an increment pulled (anchored at the current global, whatever ``anchoring`` says:
+    a learner on an older base counts as its model, that base minus its progress)
     (:func:`final_marks`, whose entries record ``final``; ``final`` in
     :func:`~ddiloco_geo.core.outer.merge_and_step`, by :func:`final_share`): at the end of the run
     the outer momentum would carry the global past where the learners are; ``outer`` steps every
@@ -240,9 +242,9 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     for d in contributors:
         factor = clip_factor(state, d, clip_ratio)
         pg = d.pseudo_grad if factor == 1.0 else {n: t * factor for n, t in d.pseudo_grad.items()}
-        how = anchoring_of(state, d, anchoring)
+        how = "current" if marks and not is_increment(d) else anchoring_of(state, d, anchoring)
         steps, tokens, resent = d.header.num_steps, d.header.num_tokens, None
-        if how == "current" and anchoring == "base" and resends == "share":
+        if how == "current" and anchoring == "base" and resends == "share" and not marks:
             resent = resend_share(state.merged_base, state.merged_counts, d.learner, d.header)
         if resent is not None:
             how, (share, steps, tokens) = "base", resent
