@@ -182,10 +182,9 @@ class SyncerConfig(Section):
         "progress is applied twice; recorded per merge entry as 'anchor'); 'current': as the pull Θ_current − θ_learner (the paper's "
         "anchoring: a stale learner alone in a merge pulls the global back toward its model)")
     final_merge: Literal["average", "outer"] = Field("average", description="'average': a merge holding a learner's final delta "
-        "(its exit flush when its schedule ends) averages the learners' models (every contribution anchored at the current "
-        "global, whatever 'anchoring' says): the token-weighted mean, lr 1, momentum kept "
-        "(recorded as 'final' in the merge record): at the end of the run the outer momentum would carry the global past where "
-        "the learners are; 'outer': the usual outer step")
+        "(its exit flush when its schedule ends) averages the learners' models (each anchored at the current global, whatever "
+        "'anchoring' says): the token-weighted mean, lr 1, momentum kept (recorded as 'final' in the merge record): at the end "
+        "of the run the outer momentum would carry the global past where the learners are; 'outer': the usual outer step")
     resends: Literal["share", "pull"] = Field("pull", description="with anchoring='base', a delta sent again on the base of "
         "the learner's merged one: 'pull' anchors it at the current global; 'share' applies its steps beyond the merged delta's (recorded as 'resent' and 'share'; not the default: chaos seeds 6-7 ended worse with it)")
     max_seq_ahead: int = Field(100_000, ge=1, description="a delta key more than this many sequence numbers past the "
