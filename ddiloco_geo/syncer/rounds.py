@@ -239,12 +239,13 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     """
     anchored, weights, entries = [], [], []
     marks = final_marks(state, contributors) if final_merge == "average" else set()
+    merge_anchoring = "current" if marks else anchoring  # a final merge averages models: pulled (entries say so)
     for d in contributors:
         factor = clip_factor(state, d, clip_ratio)
         pg = d.pseudo_grad if factor == 1.0 else {n: t * factor for n, t in d.pseudo_grad.items()}
-        how = "current" if marks and not is_increment(d) else anchoring_of(state, d, anchoring)
+        how = anchoring_of(state, d, merge_anchoring)
         steps, tokens, resent = d.header.num_steps, d.header.num_tokens, None
-        if how == "current" and anchoring == "base" and resends == "share" and not marks:
+        if how == "current" and merge_anchoring == "base" and resends == "share":
             resent = resend_share(state.merged_base, state.merged_counts, d.learner, d.header)
         if resent is not None:
             how, (share, steps, tokens) = "base", resent
