@@ -127,7 +127,7 @@ class LearnerConfig(Section):
                              "count toward max_steps) at the run's progress (newest merge records), not 0 or its checkpoint's; always with schedule=run")
     schedule: Literal["own", "run"] = Field(
         "run", description="place on the lr schedule and toward max_steps: 'run', the median of the latest steps of the run's "
-        "learners heard from lately (while nothing of its own is merged, at least their mean), never going back, held below max_steps "
+        "learners heard from lately (while nothing of its own is merged, at least their mean), at most the mean over every learner seen, never going back, held below max_steps "
         "until their mean reaches it: learners of different speeds anneal together, the run stops after M x max_steps steps; 'own': this learner's count (slower ones train the end alone)")
     send_schedule: Literal["fixed", "aligned"] = Field(
         "aligned", description="when fragment p is sent: 'aligned' timed to the syncer's merges, a lead of steps before the next "

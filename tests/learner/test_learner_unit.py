@@ -481,29 +481,39 @@ def test_run_schedule_reads_steps_from_merges_and_takes_the_mean():
     assert clock.position(30, {"a": 44, "b": 12, "e": 20}) == 20  # its own step counts, not its old one
 
 
-def test_the_run_schedule_drops_learners_that_stopped_advancing():
+def test_the_run_schedule_drops_learners_that_stopped_advancing_from_the_median_not_from_the_run():
     """Chaos seed 21: two learners stopped below the end of the schedule, and the third's median of
     its step and their last steps stayed below it forever. A learner whose merged step has not
-    advanced for three of its usual intervals (at least sync_every of ours) drops out."""
+    advanced for three of its usual intervals (at least sync_every of ours) drops out of the median.
+    Chaos seed 49 (loaded): the fast learner whose peers were restarting then took its own step as the
+    median and ran near the end of the schedule for most of its steps. The steps a silent learner took
+    are still the run's: the position is at most the mean over every learner seen, so the survivor
+    anneals at the run's pace and the run ends when M x max_steps steps are spent."""
     from ddiloco_geo.learner.schedule import RunClock
 
-    clock = RunClock("a", sync_every=10, max_steps=1000)
+    clock = RunClock("a", sync_every=10, max_steps=120)
     for own in range(0, 101, 5):
         pos = clock.position(own, {"a": own, "b": own, "c": own})
     assert pos == 100
-    # b and c stop at 100 (below a max_steps of 120, say); a keeps stepping, and its deltas are merged
+    # b and c stop at 100; a keeps stepping, and its deltas are merged
     assert clock.position(125, {"a": 125, "b": 100, "c": 100}) == 100  # 25 steps: within three periods
     assert clock.position(130, {"a": 130, "b": 100, "c": 100}) == 100
-    assert clock.position(131, {"a": 131, "b": 100, "c": 100}) == 131  # heard from 31 steps ago: dropped
-    # one comes back (restarted), the median counts it again (130), but the position never goes back
-    assert clock.position(140, {"a": 140, "b": 120, "c": 100}) == 131
-    assert clock.position(150, {"a": 150, "b": 140, "c": 100}) == 145  # c still silent: the median of a and b
-    # a slow learner that advances every 40 of our steps stays counted for three of its intervals
+    assert clock.position(131, {"a": 131, "b": 100, "c": 100}) == 110  # dropped from the median: the mean
+    assert clock.position(159, {"a": 159, "b": 100, "c": 100}) == 119
+    assert clock.position(160, {"a": 160, "b": 100, "c": 100}) == 120  # the run's 360 steps are spent
+    # seed 49: both peers go silent at 58 (restarting on a loaded machine); the fast one steps on
+    fast = RunClock("a", sync_every=10, max_steps=120)
+    for own in range(0, 59, 2):
+        fast.position(own, {"a": own, "b": own, "c": own})
+    assert fast.position(97, {"a": 96, "b": 58, "c": 58}) == 71  # not 97: their 116 steps count as taken
+    assert fast.position(98, {"a": 97, "b": 70, "c": 58}) == 75  # one is back
+    # a slow learner that advances every 40 of our steps: the median of two is their mean, and it
+    # stays their mean when the slow one falls silent
     slow = RunClock("a", sync_every=10, max_steps=1000)
     for own in range(0, 201, 40):
         slow.position(own, {"a": own, "s": own // 4})
     assert slow.position(200 + 120, {"a": 320, "s": 50}) == (320 + 50) // 2
-    assert slow.position(200 + 121, {"a": 321, "s": 50}) == 321
+    assert slow.position(200 + 121, {"a": 321, "s": 50}) == (321 + 50) // 2
 
 
 def test_the_run_schedule_keeps_its_peers_while_nothing_is_merged():
@@ -525,7 +535,7 @@ def test_the_run_schedule_keeps_its_peers_while_nothing_is_merged():
         assert clock.position(own, {"a": 30, "b": 30, "c": 30}) == (own + 60) // 3
     assert clock.position(110, {"a": 110, "b": 30, "c": 30}) == 56  # merges resume: b and c get a window,
     assert clock.position(139, {"a": 139, "b": 30, "c": 30}) == 56  # and the position does not go back to 30
-    assert clock.position(140, {"a": 140, "b": 30, "c": 30}) == 140  # not heard from since: dropped
+    assert clock.position(140, {"a": 140, "b": 30, "c": 30}) == 66  # dropped from the median, still in the mean
     # past its own max_steps a learner whose deltas are never merged stops holding: three periods on
     # its peers drop out and it stops
     alone = RunClock("a", sync_every=10, max_steps=120)
@@ -543,9 +553,10 @@ def test_the_run_schedule_ends_when_the_mean_reaches_the_end_and_the_median_allo
     from ddiloco_geo.learner.schedule import RunClock
 
     clock = RunClock("a", sync_every=10, max_steps=120)
-    assert clock.position(53, {"b": 120, "c": 120}) == 119  # median 120, mean 97.7: not yet
-    assert clock.position(119, {"b": 120, "c": 120}) == 119
-    assert clock.position(120, {"b": 120, "c": 120}) == 120  # the run's 360 steps are spent
+    assert clock.position(53, {"b": 120, "c": 120}) == 97  # median 120, mean 97.7: the run's place
+    assert clock.position(90, {"a": 80, "b": 120, "c": 120}) == 97  # b, c silent: the median is its own step
+    assert clock.position(119, {"a": 110, "b": 120, "c": 120}) == 119
+    assert clock.position(120, {"a": 110, "b": 120, "c": 120}) == 120  # the run's 360 steps are spent
     # learners of different speeds: fast ones past the end carry the mean for slow ones
     mixed = RunClock("a", sync_every=10, max_steps=120)
     assert mixed.position(100, {"b": 150, "c": 130, "d": 100}) == 115  # mean 120: the median decides
