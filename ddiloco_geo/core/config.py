@@ -120,15 +120,15 @@ class LearnerConfig(Section):
     lr: float = Field(6e-3, gt=0, description="inner AdamW peak learning rate (6e-3 measured best for Decoupled DiLoCo)")
     weight_decay: float = Field(0.1, ge=0)
     warmup_steps: int = Field(20, ge=0)
-    max_steps: int = Field(300, ge=1, description="inner steps before exiting (learner.schedule=run: counted on the run's median step)")
+    max_steps: int = Field(300, ge=1, description="inner steps before exiting (learner.schedule=run: counted on the run's mean step)")
     max_time_s: float | None = Field(None, gt=0)
     alpha: float = Field(0.0, ge=0, lt=1, description="mixing factor on adoption: local = alpha*local + (1-alpha)*global; 0 overwrites")
     follow_run: bool = Field(False, description="a joining or restarted learner starts its learning-rate schedule (and its "
                              "count toward max_steps) at the run's progress (newest merge records), not 0 or its checkpoint's; always with schedule=run")
     schedule: Literal["own", "run"] = Field(
-        "run", description="place on the lr schedule and toward max_steps: 'run', the median of the latest steps of the run's "
-        "learners heard from lately (while nothing of its own is merged, at least their mean), at most the mean over every learner seen, never going back, held below max_steps "
-        "until their mean reaches it: learners of different speeds anneal together, the run stops after M x max_steps steps; 'own': this learner's count (slower ones train the end alone)")
+        "run", description="place on the lr schedule and toward max_steps: 'run', the mean of the latest steps of every learner of "
+        "the run seen (silent ones too; another's counted up to 2 x max_steps), never going back (a learner never merged stops at its own max_steps): "
+        "learners of different speeds anneal together, the run stops after M x max_steps steps; 'own': this learner's count (slower ones train the end alone)")
     send_schedule: Literal["fixed", "aligned"] = Field(
         "aligned", description="when fragment p is sent: 'aligned' timed to the syncer's merges, a lead of steps before the next "
         "merge of p (fragments.overlap, more while sends miss their merge) (2.8 points better at a compute-optimal budget); 'fixed' every H")

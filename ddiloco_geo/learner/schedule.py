@@ -3,15 +3,13 @@ peak at ``max_steps``; where a joining learner starts on it (``learner.follow_ru
 progress, read from the newest merge records, so a restarted or newly joined learner does not
 restart its warm-up at full rate while the others are near the end of theirs); and, with
 ``learner.schedule = run``, where every learner is on it at each step: the mean over the run's
-learners of their latest steps (:class:`RunClock`: the median over the learners heard from lately,
-at most the mean over every learner seen),
-so learners of different speeds anneal together and the run stops when its total budget of
+learners of their latest steps (:class:`RunClock`: every learner seen, silent ones too), so
+learners of different speeds anneal together and the run stops when its total budget of
 M x ``max_steps`` steps is spent (:func:`joining_step`: where a joining learner starts)."""
 
 from __future__ import annotations
 
 import math
-import statistics
 
 from ddiloco_geo.codec import Header
 
@@ -42,58 +40,36 @@ def merged_steps(extra: dict) -> dict[str, int]:
     return out
 
 
-def run_position(own_step: int, others: list[int]) -> int:
-    """``learner.schedule = run``: the median of this learner's step and the other learners' latest
-    merged steps. For a symmetric mix of speeds it is the mean, and M x the mean is the run's total
-    steps (its tokens / tokens per step); unlike the mean, one learner that reports an absurd step (a
-    bug, or an insider) cannot move every learner to the end of the schedule."""
-    return int(statistics.median([own_step, *others]))
-
-
 class RunClock:
-    """A learner's position under ``learner.schedule = run``: the median (:func:`run_position`) of its
-    step and the latest merged steps of the learners **heard from lately**, held below ``max_steps``
-    until the **mean** of the same steps reaches it too.
+    """A learner's position under ``learner.schedule = run``: the **mean** of its own step and the
+    latest merged step of every other learner it has seen in the run, never going back. M x the mean
+    is the steps the run has taken (its tokens / tokens per step), so the position is the run's
+    progress and the run ends when M x ``max_steps`` steps are spent, whoever took them: a fast
+    learner takes more, a slow one fewer, one restarted behind peers that finished trains what is left
+    of the budget (none, if they spent it). Counted in this learner's own steps, so it holds on
+    simulated time.
 
-    Heard from lately: a learner whose merged step has not advanced for ``live_periods`` of its own
-    usual intervals (at least ``sync_every`` of this learner's steps) has stopped, ended its schedule
-    or been preempted, and drops out; without this, a learner whose peers had stopped below the end
-    held their last steps in its median forever (chaos seed 21 took one learner to step 6,080 of 120).
-    The mean: M x the mean is the steps the run has taken, so a learner restarted behind peers that
-    have finished trains its share of the budget instead of stopping with them (chaos seed 24 under
-    the median alone: a learner restarted at 53 stopped at 60, the run took 323 of its 360 steps and
-    ended 10% worse). The median still decides the learning rate and guards the end: one learner
-    reporting an absurd step cannot end the others' schedules. Counted in this learner's own steps,
-    so it holds on simulated time.
+    Every learner seen counts, silent ones included: a learner that stopped, finished or is
+    restarting has taken its steps. Earlier clocks took the median over the learners heard from
+    lately and went wrong each time a peer fell silent: a learner whose two peers were restarting on a
+    loaded machine dropped them, took its own step as the median (chaos seed 49: position 58 to 97 in
+    20 steps) and trained most of its steps near the end of the schedule; a learner restarted after
+    the others had finished took its own step as the run's and trained 70 steps alone from the
+    learning rate's peak (seed 13, quiet); a median over frozen peers froze the rate near its peak
+    (seed 39). The position never goes back, because the run's progress does not shrink: when a new
+    learner is first seen, the mean falls, and a rising learning rate late in a run undid its
+    annealing (seed 13, stop 39).
 
-    Heard from lately needs merges to hear from: while this learner's own deltas are not being merged
-    either (its merged step has not advanced for ``live_periods`` of ``sync_every``: the syncer is
-    down, or this learner is cut off from it) nobody's silence says anything, and the others keep
-    their places, up to this learner's own ``max_steps``. Without this a learner left running alone
-    through a syncer restart dropped its peers, took the median of its own step and finished the
-    whole schedule alone (chaos seed 22: steps 27 to 123 of 120 in 7 s while the others restarted,
-    its final merges setting every fragment to its model; the run ended 3-6% worse than fault-free).
-    While held, the position is at least the **mean** of its step and the held steps (each at most
-    ``max_steps``): those frozen steps and its own are all the run's progress it can see, and their
-    median alone froze it (chaos seed 39: a learner trained steps 40 to 140 at position 16, near the
-    peak learning rate, while the syncer restarted and both its peers were restarting; the run ended
-    6% worse than fault-free). And the position never goes back: the run's progress does not shrink
-    when this learner stops hearing from a peer (a peer that finished drops out, a hold ends) and a
-    learning rate that rose again late in the run undid its annealing (seed 13: a restarted learner
-    went from position 89 to 69 when its finished peers dropped out, and trained its last 50 steps
-    alone on a rising, then falling, rate).
-
-    Dropping out of the median is not leaving the run: the steps a silent learner took are the run's
-    (a restarting peer, one that finished), so while this learner's own deltas are merged its position
-    is at most the **mean** of its step and the latest steps of every learner it has seen. Without this
-    a fast learner whose two peers were restarting on a loaded machine took its own step as the median
-    (chaos seed 49: position 58 to 97 in 20 steps) and, never going back, trained 140 of its 252
-    steps near the end of the schedule; the run ended 4.7% worse than fault-free. A learner reporting
-    an absurd step raises the mean, so it cannot lift this bound; the median still guards against it."""
+    Bounds: a peer's step counts up to ``2 x max_steps`` (a learner reporting an absurd step can
+    spend at most two shares of the budget, as a learner four times faster than two peers could; an
+    honest one faster still is undercounted and the others train longer, never shorter). A learner
+    whose own deltas have not been merged for ``live_periods`` x ``sync_every`` of its steps (the
+    syncer is down, or it is cut off from it) sees nobody's progress, its peers' steps frozen: past
+    its own ``max_steps`` it stops instead of training on toward the run's whole budget alone."""
 
     def __init__(self, me: str, sync_every: int, max_steps: int, live_periods: float = 3.0) -> None:
-        self.me, self.floor, self.max_steps, self.live_periods = me, max(1, sync_every), max_steps, live_periods
-        self.seen: dict[str, tuple[int, int, int]] = {}  # learner -> (its step, our step when it advanced, the gap before)
+        self.me, self.window, self.max_steps = me, live_periods * max(1, sync_every), max_steps
+        self.seen: dict[str, int] = {}  # learner -> its latest merged step
         self.mine: tuple[int, int] | None = None  # (our newest merged step, our step when it advanced)
         self.last = 0  # the position returned last: it never goes back
 
@@ -101,25 +77,14 @@ class RunClock:
         merged = steps.get(self.me, 0)
         if self.mine is None or merged > self.mine[0]:
             self.mine = (merged, own_step)
-        unmerged = own_step - self.mine[1] > self.live_periods * self.floor  # this learner is not merged either
-        held = unmerged and own_step < self.max_steps
-        if held:
-            self.seen = {learner: (step, own_step, gap) for learner, (step, _, gap) in self.seen.items()}
         for learner, step in steps.items():
-            prev = self.seen.get(learner)
-            if learner != self.me and (prev is None or step > prev[0]):
-                self.seen[learner] = (step, own_step, 0 if prev is None else own_step - prev[1])
-        live = [step for step, at, gap in self.seen.values()
-                if own_step - at <= self.live_periods * max(self.floor, gap)]
-        median = run_position(own_step, live)
-        if held:
-            median = max(median, (own_step + sum(min(step, self.max_steps) for step in live)) // (1 + len(live)))
-        if not unmerged:
-            everyone = [step for step, _, _ in self.seen.values()]
-            median = min(median, (own_step + sum(everyone)) // (1 + len(everyone)))
-        if own_step + sum(live) < self.max_steps * (1 + len(live)):
-            median = min(median, self.max_steps - 1)
-        self.last = max(self.last, median)
+            if learner != self.me and step > self.seen.get(learner, -1):
+                self.seen[learner] = step
+        cap = 2 * self.max_steps
+        mean = (own_step + sum(min(step, cap) for step in self.seen.values())) // (1 + len(self.seen))
+        if own_step >= self.max_steps and own_step - self.mine[1] > self.window:
+            mean = max(mean, self.max_steps)  # cut off past its own share: stop
+        self.last = max(self.last, mean)
         return self.last
 
 

@@ -466,102 +466,94 @@ def test_error_feedback_sends_all_progress_and_its_residual_survives_a_restart(t
 
 
 def test_run_schedule_reads_steps_from_merges_and_takes_the_mean():
-    from ddiloco_geo.learner.schedule import RunClock, merged_steps, run_position
+    from ddiloco_geo.learner.schedule import RunClock, merged_steps
 
     extra = {"merged": [{"learner": "a", "step": 40}, {"learner": "b", "step": 12}, {"learner": "a", "step": 44},
                         {"learner": "c", "step": True}, {"learner": 7, "step": 3}, "junk", {"learner": "d", "step": -1}],
              "steps": {"e": 20, "f": "x", "g": 2**41}}
     assert merged_steps(extra) == {"a": 44, "b": 12, "e": 20}
     assert merged_steps({"merged": "not a list", "steps": []}) == {}
-    assert run_position(30, [12, 20]) == 20
-    assert run_position(30, [11]) == 20  # two learners: the mean
-    assert run_position(30, [28, 2**39]) == 30  # one absurd report moves nothing
-    assert run_position(7, []) == 7
     clock = RunClock("a", sync_every=10, max_steps=1000)
     assert clock.position(30, {"a": 44, "b": 12, "e": 20}) == 20  # its own step counts, not its old one
+    assert clock.position(40, {"a": 44, "b": 12}) == 24  # e unheard of this time: still counted
 
 
-def test_the_run_schedule_drops_learners_that_stopped_advancing_from_the_median_not_from_the_run():
-    """Chaos seed 21: two learners stopped below the end of the schedule, and the third's median of
-    its step and their last steps stayed below it forever. A learner whose merged step has not
-    advanced for three of its usual intervals (at least sync_every of ours) drops out of the median.
-    Chaos seed 49 (loaded): the fast learner whose peers were restarting then took its own step as the
-    median and ran near the end of the schedule for most of its steps. The steps a silent learner took
-    are still the run's: the position is at most the mean over every learner seen, so the survivor
-    anneals at the run's pace and the run ends when M x max_steps steps are spent."""
+def test_the_run_schedule_counts_every_learner_seen_silent_ones_too():
+    """The steps a silent learner took are the run's. Chaos seed 21: two learners stopped below the
+    end, and a clock that held their steps in a median kept the third below it forever; the mean
+    reaches the end when the run's M x max_steps steps are spent. Chaos seed 49 (loaded): a clock
+    that dropped silent peers let the fast learner whose two peers were restarting take its own step
+    as the run's (position 58 to 97 in 20 steps). Chaos seed 13 (quiet): a learner restarted after a
+    fast peer had spent most of the budget took its own step as the run's and trained 70 steps alone
+    from near the learning rate's peak."""
     from ddiloco_geo.learner.schedule import RunClock
 
     clock = RunClock("a", sync_every=10, max_steps=120)
     for own in range(0, 101, 5):
         pos = clock.position(own, {"a": own, "b": own, "c": own})
     assert pos == 100
-    # b and c stop at 100; a keeps stepping, and its deltas are merged
-    assert clock.position(125, {"a": 125, "b": 100, "c": 100}) == 100  # 25 steps: within three periods
-    assert clock.position(130, {"a": 130, "b": 100, "c": 100}) == 100
-    assert clock.position(131, {"a": 131, "b": 100, "c": 100}) == 110  # dropped from the median: the mean
+    # b and c stop at 100; a keeps stepping, its deltas merged
+    assert clock.position(131, {"a": 131, "b": 100, "c": 100}) == 110
     assert clock.position(159, {"a": 159, "b": 100, "c": 100}) == 119
     assert clock.position(160, {"a": 160, "b": 100, "c": 100}) == 120  # the run's 360 steps are spent
-    # seed 49: both peers go silent at 58 (restarting on a loaded machine); the fast one steps on
     fast = RunClock("a", sync_every=10, max_steps=120)
     for own in range(0, 59, 2):
         fast.position(own, {"a": own, "b": own, "c": own})
     assert fast.position(97, {"a": 96, "b": 58, "c": 58}) == 71  # not 97: their 116 steps count as taken
     assert fast.position(98, {"a": 97, "b": 70, "c": 58}) == 75  # one is back
-    # a slow learner that advances every 40 of our steps: the median of two is their mean, and it
-    # stays their mean when the slow one falls silent
+    late = RunClock("a", sync_every=10, max_steps=120)
+    assert late.position(50, {"b": 200, "c": 49}) == 99  # the run's place, not its own step
+    assert late.position(71, {"a": 60, "b": 200, "c": 49}) == 106
+    assert late.position(111, {"a": 100, "b": 200, "c": 49}) == 120  # what was left of the budget: spent
+    # a slow learner that advances every 40 of our steps counts while it is silent too
     slow = RunClock("a", sync_every=10, max_steps=1000)
     for own in range(0, 201, 40):
         slow.position(own, {"a": own, "s": own // 4})
-    assert slow.position(200 + 120, {"a": 320, "s": 50}) == (320 + 50) // 2
-    assert slow.position(200 + 121, {"a": 321, "s": 50}) == (321 + 50) // 2
+    assert slow.position(321, {"a": 321, "s": 50}) == (321 + 50) // 2
 
 
-def test_the_run_schedule_keeps_its_peers_while_nothing_is_merged():
-    """Chaos seed 22: with the syncer down and its peers restarting, a learner heard from nobody,
-    its own deltas unmerged too, dropped its peers and finished the whole schedule alone. While its
-    own merged step does not advance either, nobody's silence says anything: the peers keep their
-    places (up to its own max_steps), and once merges resume they have a fresh window to show up.
-    Chaos seed 39: held, the median of its step and its peers' frozen ones froze its position (at 16,
-    near the peak learning rate, for 100 steps): while held it is at least their mean, so the learning
-    rate anneals with the progress it can see; and it never goes back when the hold ends."""
+def test_the_run_schedule_never_goes_back_and_stops_a_learner_cut_off_past_its_share():
+    """Chaos seed 39: while the syncer was down the position rose with this learner's steps against
+    its peers' frozen ones, instead of freezing near the peak learning rate; when merges resume it
+    does not go back. A learner never merged stops at its own max_steps rather than spend the run's
+    whole budget alone. A learner first seen late lowers the mean: the position holds."""
     from ddiloco_geo.learner.schedule import RunClock
 
     clock = RunClock("a", sync_every=10, max_steps=120)
     for own in range(0, 31, 5):
         clock.position(own, {"a": own, "b": own, "c": own})
-    for own in range(31, 61):  # the syncer is down: nothing new merged, a keeps stepping
-        assert clock.position(own, {"a": 30, "b": 30, "c": 30}) == 30  # within three periods: b, c as they were
-    for own in range(61, 110):  # held: b and c keep their places, and the position is their mean with a's
+    for own in range(31, 110):  # the syncer is down: nothing new merged, a keeps stepping
         assert clock.position(own, {"a": 30, "b": 30, "c": 30}) == (own + 60) // 3
-    assert clock.position(110, {"a": 110, "b": 30, "c": 30}) == 56  # merges resume: b and c get a window,
-    assert clock.position(139, {"a": 139, "b": 30, "c": 30}) == 56  # and the position does not go back to 30
-    assert clock.position(140, {"a": 140, "b": 30, "c": 30}) == 66  # dropped from the median, still in the mean
-    # past its own max_steps a learner whose deltas are never merged stops holding: three periods on
-    # its peers drop out and it stops
+    assert clock.position(110, {"a": 110, "b": 30, "c": 30}) == 56
+    assert clock.position(140, {"a": 140, "b": 30, "c": 30}) == 66
+    assert clock.position(141, {"a": 140, "b": 30, "c": 30, "new": 0}) == 66  # a new learner: the mean is 52
     alone = RunClock("a", sync_every=10, max_steps=120)
     alone.position(0, {"a": 0, "b": 0})
     assert alone.position(119, {"a": 0, "b": 0}) == 59
-    assert alone.position(149, {"a": 0, "b": 0}) == 74
-    assert alone.position(150, {"a": 0, "b": 0}) == 150
+    assert alone.position(120, {"a": 0, "b": 0}) == 120  # never merged, past its own share: it stops
+    merged = RunClock("a", sync_every=10, max_steps=120)
+    merged.position(0, {"a": 0, "b": 0})
+    assert merged.position(130, {"a": 125, "b": 0}) == 65  # merged: it trains on toward the run's budget
 
 
-def test_the_run_schedule_ends_when_the_mean_reaches_the_end_and_the_median_allows():
+def test_the_run_schedule_ends_when_the_runs_budget_is_spent_and_bounds_an_absurd_step():
     """Chaos seed 24: a learner restarted at step 53 behind two peers that had finished at 120 stopped
-    at 60 on the median alone (the run took 323 of its 360 steps). Held below the end until the mean
-    reaches it, it trains its share; a learner reporting an absurd step still cannot end the others'
-    schedules (the median)."""
+    at 60 on a median (the run took 323 of its 360 steps); on the mean it trains its share, at the
+    run's place on the schedule. Fast learners past the end carry the mean for slow ones. A learner
+    reporting an absurd step counts as 2 x max_steps: it can spend two shares of the budget, never
+    end the others' schedules at once."""
     from ddiloco_geo.learner.schedule import RunClock
 
     clock = RunClock("a", sync_every=10, max_steps=120)
-    assert clock.position(53, {"b": 120, "c": 120}) == 97  # median 120, mean 97.7: the run's place
-    assert clock.position(90, {"a": 80, "b": 120, "c": 120}) == 97  # b, c silent: the median is its own step
+    assert clock.position(53, {"b": 120, "c": 120}) == 97
     assert clock.position(119, {"a": 110, "b": 120, "c": 120}) == 119
-    assert clock.position(120, {"a": 110, "b": 120, "c": 120}) == 120  # the run's 360 steps are spent
-    # learners of different speeds: fast ones past the end carry the mean for slow ones
+    assert clock.position(120, {"a": 110, "b": 120, "c": 120}) == 120
     mixed = RunClock("a", sync_every=10, max_steps=120)
-    assert mixed.position(100, {"b": 150, "c": 130, "d": 100}) == 115  # mean 120: the median decides
+    assert mixed.position(90, {"b": 150, "c": 130, "d": 100}) == 117
+    assert mixed.position(100, {"b": 150, "c": 130, "d": 100}) == 120  # 480 steps: the run's budget
     liar = RunClock("a", sync_every=10, max_steps=120)
-    assert liar.position(30, {"b": 2**39, "c": 30}) == 30  # an absurd step moves the mean, not the median
+    assert liar.position(30, {"b": 2**39, "c": 30}) == 100  # counted as 240
+    assert liar.position(59, {"a": 50, "b": 2**39, "c": 60}) == 119
 
 
 def test_with_the_run_schedule_learners_of_different_speeds_anneal_together_and_stop_at_the_runs_budget():
