@@ -54,8 +54,8 @@ class RunClock:
     lately and went wrong each time a peer fell silent: a learner whose two peers were restarting on a
     loaded machine dropped them, took its own step as the median (chaos seed 49: position 58 to 97 in
     20 steps) and trained most of its steps near the end of the schedule; a learner restarted after
-    the others had finished took its own step as the run's and trained 70 steps alone from the
-    learning rate's peak (seed 13, quiet); a median over frozen peers froze the rate near its peak
+    the others had finished took its own step as the run's and trained 70 steps alone from 83% of
+    the peak learning rate (seed 13, quiet); a median over frozen peers froze the rate near its peak
     (seed 39). The position never goes back, because the run's progress does not shrink: when a new
     learner is first seen, the mean falls, and a rising learning rate late in a run undid its
     annealing (seed 13, stop 39).

@@ -68,6 +68,8 @@ SLOW_STEP_S = 0.3
 RATE_LIMIT_PER_MIN = 360
 RATE_KNOBS = "max_deltas_per_min" in config.SyncerConfig.model_fields
 
+SEQS_AHEAD = 16  # where put_next_seq writes: past the learner's newest seq by this many (a few seconds of its sends)
+
 SETTINGS = f"""
 [model]
 name = "nano"
@@ -209,17 +211,21 @@ class LiveRun:
         return key
 
     def put_next_seq(self, learner: str, fragment: int, data: bytes) -> str:
-        """Write into a (possibly honest) learner's prefix at its next free seq, so its listing
-        cursor skips nothing; the learner's uploader simply moves on to the next seq."""
-        seqs = []
+        """Write into a (possibly honest) learner's prefix a few seqs past its newest, after any
+        object written here before; the learner's uploader moves past the taken seq when it gets
+        there. A few ahead: the syncer never lists a key below its cursor, which the learner's own
+        next deltas move, so a key at the very next seq could land behind it (the learner wrote that
+        seq for another fragment and the syncer took it between this listing and this write) and
+        never be accounted (CI, stop 45, under load)."""
+        seqs, ours = [], []
         for k in self.store.list(layout.deltas_dir(learner)):
             try:
                 seq = layout.parse_delta_key(k).seq
             except layout.LayoutError:
                 continue  # junk another test left
             if seq < 10**11:  # not the far-future junk of the seq_ahead case
-                seqs.append(seq)
-        seq = max(seqs, default=-1) + 1
+                (ours if k in self.hostile else seqs).append(seq)
+        seq = max(max(seqs, default=-1) + 1 + SEQS_AHEAD, max(ours, default=-1) + 1)
         while True:
             key = layout.delta_key(learner, seq, fragment)
             if self.store.put_if_absent(key, data):
