@@ -485,7 +485,7 @@ def test_the_run_schedule_counts_every_learner_seen_silent_ones_too():
     that dropped silent peers let the fast learner whose two peers were restarting take its own step
     as the run's (position 58 to 97 in 20 steps). Chaos seed 13 (quiet): a learner restarted after a
     fast peer had spent most of the budget took its own step as the run's and trained 70 steps alone
-    from near the learning rate's peak."""
+    from 83% of the peak learning rate."""
     from ddiloco_geo.learner.schedule import RunClock
 
     clock = RunClock("a", sync_every=10, max_steps=120)
