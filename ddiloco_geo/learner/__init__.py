@@ -9,7 +9,8 @@
 - :mod:`~ddiloco_geo.learner.preemption`: spot/preemption notices (SIGTERM, AWS, GCE).
 """
 
-from ddiloco_geo.learner.loop import Learner, default_learner_id
+from ddiloco_geo.learner.loop import Learner
+from ddiloco_geo.learner.presence import default_learner_id
 from ddiloco_geo.learner.poller import GlobalPoller
 from ddiloco_geo.learner.schedule import lr_schedule
 from ddiloco_geo.learner.uploader import Outgoing, Uploader

@@ -21,9 +21,6 @@ heartbeat threads. A killed learner loses only its unflushed work. The caller ow
 from __future__ import annotations
 
 import logging
-import os
-import re
-import socket
 import time
 from typing import Any
 
@@ -41,8 +38,8 @@ from ddiloco_geo.learner import checkpoint as ckpt
 from ddiloco_geo.learner import ranks
 from ddiloco_geo.learner.data import make_reader
 from ddiloco_geo.learner.poller import GlobalPoller
-from ddiloco_geo.learner.presence import Presence, status_record
-from ddiloco_geo.learner.schedule import RunClock, joining_step, lr_schedule
+from ddiloco_geo.learner.presence import Presence, default_learner_id, status_record
+from ddiloco_geo.learner.schedule import HOLD_LAG, HOLD_PERIODS, RunClock, joining_step, lr_schedule
 from ddiloco_geo.learner.uploader import Outgoing, Uploader
 from ddiloco_geo.metrics import Registry, learner_metrics
 from ddiloco_geo.storage import Store
@@ -73,8 +70,7 @@ class Learner:
             batch_size=self.cfg.batch_size, seed=model.seed + shard, vocab_size=modelmod.vocab_size(self.model),
         )
         self.spec: protocol.RunSpec | None = None
-        self.stop_reason: str | None = None
-        self.history: list[dict[str, float]] = []
+        self.stop_reason, self.history = None, []  # history: {step, tokens, loss, time} every log_every steps
         self.step = self.position = self.tokens_total = 0  # position: on the lr schedule (learner.schedule)
         self.registry = Registry()
         self.metrics = learner_metrics(self.registry)
@@ -141,7 +137,7 @@ class Learner:
             self.ref = {p: modelmod.get_tensors(self.model, self.spec.plan.fragments[p]) for p in range(P)}
         self.c_ref_steps, self.c_ref_tokens = list(self.c_steps), list(self.c_tokens)
         # fragment-steps (one per fragment per step): trained; past a send at adoption; of those, overwritten
-        self.frag_steps_trained = self.frag_steps_past_send = self.frag_steps_discarded = 0
+        self.frag_steps_trained = self.frag_steps_past_send = self.frag_steps_discarded = self.sends_held = 0
         self.net = ranks.training_module(self.model, replicate=self.world > 1 and not self.sharded,
                                          compile=self.cfg.compile)
         if self.rank == 0:
@@ -345,8 +341,9 @@ class Learner:
         adoptions = self.poller.take() if self.rank == 0 else {}
         position = self.step if self.cfg.schedule == "own" or self.rank != 0 else \
             self.run_clock.position(self.step, self.poller.run_steps())
-        adoptions, stop, self.position = ranks.sync_control(adoptions, self.stop_reason is not None, position,
-                                                            self.rank, self.world, self.spec.plan)
+        hold = self._stale_bases(adoptions) if self.rank == 0 and self.keep_progress else set()
+        adoptions, stop, self.position, hold = ranks.sync_control(adoptions, self.stop_reason is not None, position,
+                                                                  self.rank, self.world, self.spec.plan, hold)
         if self.position >= self.cfg.max_steps:  # (the run's budget, with learner.schedule=run)
             self.request_stop("max_steps")
             stop = True
@@ -362,7 +359,10 @@ class Learner:
         self._observe_step(dt, loss)
         self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         for p in self.schedule.due(self.step) if self.cfg.sync_enabled else ():
-            self.send(p, self.step_ema)
+            held = p in hold and self.c_steps[p] - self.c_ref_steps[p] < HOLD_PERIODS * self.spec.sync_every
+            self.sends_held += held  # a held send waits for the adoption, its work kept on top (keep_progress)
+            if not held:
+                self.send(p, self.step_ema)
         if self.rank == 0:
             if self.step % self.cfg.log_every == 0:
                 self.history.append({"step": self.step, "tokens": self.tokens_total, "loss": self.loss_ema,
@@ -375,6 +375,11 @@ class Learner:
                 self._last_hb = time.monotonic()
                 self.presence.beat()
         return True
+
+    def _stale_bases(self, adoptions: dict) -> set[int]:
+        """Fragments whose base after this step's adoptions is HOLD_LAG versions behind the index's (schedule)."""
+        return {p for p, v in self.poller.newest.items()
+                if p < len(self.base_version) and v - adoptions.get(p, (self.base_version[p],))[0] >= HOLD_LAG}
 
     def _observe_step(self, dt: float, loss: float) -> None:
         m = self.metrics
@@ -443,8 +448,3 @@ class Learner:
             log.warning("checkpoint_late learner=%s exit_s=%.1f deadline_s=%.1f: a slow link; consider a longer flush "
                         "deadline or learner.checkpoint_on_exit=false", self.learner_id, time.monotonic() - t0, self.cfg.flush_deadline_s)
         return checkpoint
-
-
-def default_learner_id() -> str:
-    host = re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40].strip("-") or "host"
-    return f"{host}-{os.getpid()}"

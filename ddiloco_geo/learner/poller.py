@@ -48,6 +48,7 @@ class GlobalPoller:
         self.known = dict(held)
         self.current = dict(current)  # the tensors of each known version (shared, never mutated)
         self.lag: dict[int, int] = {}  # versions behind the index when last seen
+        self.newest: dict[int, int] = {}  # the index as last read: fragment -> newest published version
         self.refused: dict[int, int] = {}  # fragment -> the version the index named that did not verify
         self.steps: dict[str, int] = {}  # learner -> its newest step in a merge this learner downloaded
         # fragment -> (version, tensors, clock, this learner's newest step in the merges since the version
@@ -77,6 +78,7 @@ class GlobalPoller:
 
     def poll_once(self) -> None:
         index, _ = protocol.read_index(self.store, self.verify)
+        self.newest = dict(index)
         for p, v in sorted(index.items()):
             held = self.known.get(p, -1)
             if v <= held or p >= self.spec.plan.num_fragments or self.refused.get(p) == v:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -92,5 +93,12 @@ def status_record(learner: Any, state: str = "running") -> dict[str, Any]:
         "send_timing": dict(learner.schedule.timing) if learner.schedule.timing else None,  # the aligned lead
         "fragment_steps": {"trained": learner.frag_steps_trained, "past_send": learner.frag_steps_past_send,
                            "discarded": learner.frag_steps_discarded},
+        "sends_held": learner.sends_held,  # sends that waited for a base HOLD_LAG versions behind (loop)
         "storage": learner.store.stats.snapshot(),
     }
+
+
+def default_learner_id() -> str:
+    """``<hostname>-<pid>``, the hostname cut to what a learner id allows."""
+    host = re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40].strip("-") or "host"
+    return f"{host}-{os.getpid()}"

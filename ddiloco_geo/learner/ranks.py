@@ -121,18 +121,21 @@ def gather_objects(obj: Any, world: int) -> list:
 
 
 def sync_control(adoptions: dict, stop: bool, position: int, rank: int, world: int,
-                 plan: FragmentPlan) -> tuple[dict, bool, int]:
+                 plan: FragmentPlan, hold: set[int] | None = None) -> tuple[dict, bool, int, set[int]]:
     """Rank 0 tells every rank which fragment versions to adopt this step (and what the poller saw of
-    this learner's step in their merges), whether to stop and where the step is on the learning-rate
-    schedule, so every rank does the same."""
+    this learner's step in their merges), whether to stop, where the step is on the learning-rate
+    schedule and which fragments' sends wait (``hold``), so every rank does the same."""
+    hold = set(hold or ())
     if world == 1:
-        return adoptions, stop, position
+        return adoptions, stop, position, hold
     P = plan.num_fragments
-    ctrl = torch.full((2 * P + 2,), -1, dtype=torch.int64)
+    ctrl = torch.full((3 * P + 2,), -1, dtype=torch.int64)
     if rank == 0:
         for p, (v, _, _, mine) in adoptions.items():
             ctrl[p], ctrl[P + 2 + p] = v, -2 if mine is None else mine
         ctrl[P], ctrl[P + 1] = int(stop), position
+        for p in hold:
+            ctrl[2 * P + 2 + p] = 1
     dist.broadcast(ctrl, src=0)
     out = {}
     for p in range(P):
@@ -147,4 +150,4 @@ def sync_control(adoptions: dict, stop: bool, position: int, rank: int, world: i
             dist.broadcast(tensors[n], src=0)
         mine = int(ctrl[P + 2 + p])
         out[p] = (int(ctrl[p]), tensors, adoptions[p][2] if rank == 0 else VectorClock(), None if mine == -2 else mine)
-    return out, bool(ctrl[P].item()), int(ctrl[P + 1].item())
+    return out, bool(ctrl[P].item()), int(ctrl[P + 1].item()), {p for p in range(P) if ctrl[2 * P + 2 + p] == 1}

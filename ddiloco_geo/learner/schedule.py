@@ -13,6 +13,16 @@ import math
 
 from ddiloco_geo.codec import Header
 
+# A learner whose base of a fragment is HOLD_LAG or more versions behind the newest the index names
+# (a slow link: it has not downloaded them yet) holds that fragment's send while less than
+# HOLD_PERIODS x H steps of it are unsent: work trained on an old base, applied as progress on the
+# current global (or, resent on a base already merged, pulled back toward the old model) undoes what
+# the others merged since (chaos seed 22, a learner behind a 10 Mbit/s link six versions behind);
+# kept on top of the model at the adoption (``learner.adopt = keep_progress``), it is sent from the
+# fresher base. The exit flush never waits.
+HOLD_LAG = 2
+HOLD_PERIODS = 3
+
 
 def lr_schedule(step: int, lr: float, warmup_steps: int, max_steps: int) -> float:
     """Linear warmup, then cosine decay to a tenth of ``lr`` at ``max_steps``."""

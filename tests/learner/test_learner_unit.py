@@ -677,3 +677,63 @@ def test_an_adoption_says_whether_its_merge_took_the_learners_send(tiny_run, upd
             assert syncer.merge_ready() >= 1
         learner.poller.poll_once()
         assert learner.poller.take()[1][3] is None
+
+
+class _GlobalsUnreachable:
+    """The run's store as a learner behind a slow link sees it: the index reads, but no version of
+    ``fragment`` (global or update object) arrives."""
+
+    def __init__(self, store, fragment: int) -> None:
+        self.store, self.prefix = store, f"globals/f{fragment:03d}/"
+
+    def get(self, key, *args, **kwargs):
+        if key.startswith(self.prefix):
+            from ddiloco_geo.core.errors import TransientStorageError
+            raise TransientStorageError(f"injected: {key} did not arrive")
+        return self.store.get(key, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_learner_two_versions_behind_holds_its_send_until_it_adopts_or_three_periods_are_unsent(tiny_run):
+    """A learner whose base of a fragment is HOLD_LAG versions behind the index (it has not downloaded
+    them: a slow link) holds that fragment's sends, keeping the work, while less than HOLD_PERIODS x H
+    steps of it are unsent; then it sends; after the adoption its work goes out from the new base.
+    Other fragments are sent as usual."""
+    import asyncio
+
+    from ddiloco_geo.core.errors import StorageError
+    from ddiloco_geo.learner.schedule import HOLD_LAG, HOLD_PERIODS
+
+    run = tiny_run(**{"syncer.grace_gamma": 0.0})
+    syncer = run.syncer()
+    learner = _learner(run)
+    H = run.spec.sync_every
+    for v in range(1, HOLD_LAG + 1):  # another learner's merges move fragment 0 ahead
+        run.write_delta("b", 0, base_version=v - 1)
+        asyncio.run(syncer.poll_once())
+        assert syncer.merge_ready() == 1
+    learner.poller.store = _GlobalsUnreachable(run.store, 0)
+    with pytest.raises(StorageError):
+        learner.poller.poll_once()
+    assert learner.poller.newest[0] == HOLD_LAG and learner.base_version[0] == 0
+
+    def sends(p):
+        return [protocol.read_header(run.store, k) for k in run.store.list(layout.deltas_dir("l0"))
+                if layout.parse_delta_key(k).fragment == p]
+
+    while not sends(0):
+        learner.step_once()
+        assert learner.step <= (HOLD_PERIODS + 1) * H, "the held fragment was never sent"
+    first = sends(0)[0]
+    assert first.base_version == 0 and first.num_steps >= HOLD_PERIODS * H  # the bound: sent anyway
+    assert learner.sends_held >= HOLD_PERIODS - 1 and status_record(learner)["sends_held"] == learner.sends_held
+    assert all(len(sends(p)) >= HOLD_PERIODS - 1 for p in range(1, run.spec.plan.num_fragments))  # not held
+    held_before = learner.sends_held
+    learner.poller.store = run.store
+    learner.poller.poll_once()
+    for _ in range(2 * H):
+        learner.step_once()
+    assert learner.base_version[0] == HOLD_LAG and learner.sends_held == held_before  # caught up: nothing held
+    assert [h.base_version for h in sends(0)][-1] == HOLD_LAG
