@@ -378,7 +378,7 @@ class Learner:
 
     def _stale_bases(self, adoptions: dict) -> set[int]:
         """Fragments whose base after this step's adoptions is HOLD_LAG versions behind the index's (schedule)."""
-        return {p for p, v in self.poller.newest.items()
+        return {p for p, v in self.poller.announced().items()
                 if p < len(self.base_version) and v - adoptions.get(p, (self.base_version[p],))[0] >= HOLD_LAG}
 
     def _observe_step(self, dt: float, loss: float) -> None:

@@ -104,6 +104,11 @@ class GlobalPoller:
             with self.lock:
                 self.inbox[p] = (v, *fetched)
 
+    def announced(self) -> dict[int, int]:
+        """The index as last read (fragment -> newest version), less a version refused as unverifiable
+        (forged or corrupt: it will never arrive, so a learner does not wait for it)."""
+        return {p: v for p, v in self.newest.items() if self.refused.get(p) != v}
+
     def observe(self, extra: dict) -> None:
         with self.lock:
             for learner, step in merged_steps(extra).items():

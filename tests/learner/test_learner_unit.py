@@ -737,3 +737,5 @@ def test_a_learner_two_versions_behind_holds_its_send_until_it_adopts_or_three_p
         learner.step_once()
     assert learner.base_version[0] == HOLD_LAG and learner.sends_held == held_before  # caught up: nothing held
     assert [h.base_version for h in sends(0)][-1] == HOLD_LAG
+    learner.poller.newest, learner.poller.refused = {0: HOLD_LAG + 5}, {0: HOLD_LAG + 5}  # forged: never arrives
+    assert learner._stale_bases({}) == set()
