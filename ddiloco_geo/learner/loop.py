@@ -379,7 +379,7 @@ class Learner:
     def _stale_bases(self, adoptions: dict) -> set[int]:
         """Fragments whose base after this step's adoptions is HOLD_LAG versions behind the index's (schedule)."""
         return {p for p, v in self.poller.announced().items()
-                if p < len(self.base_version) and v - adoptions.get(p, (self.base_version[p],))[0] >= HOLD_LAG}
+                if v - adoptions.get(p, (self.base_version[p],))[0] >= HOLD_LAG}
 
     def _observe_step(self, dt: float, loss: float) -> None:
         m = self.metrics
@@ -390,7 +390,7 @@ class Learner:
         m.tokens_per_second.set(self.tokens_total / max(1e-9, time.monotonic() - self.started))
         if self.rank == 0:
             m.upload_queue_depth.set(self.uploader.depth())
-            for p, lag in list(self.poller.lag.items()):
+            for p, lag in self.poller.lag().items():
                 m.adoption_lag_versions.set(lag, fragment=str(p))
 
     def health(self) -> dict[str, Any]:

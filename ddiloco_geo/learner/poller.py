@@ -47,8 +47,7 @@ class GlobalPoller:
         self.verify, self.require_signature = verify, require_signature
         self.known = dict(held)
         self.current = dict(current)  # the tensors of each known version (shared, never mutated)
-        self.lag: dict[int, int] = {}  # versions behind the index when last seen
-        self.newest: dict[int, int] = {}  # the index as last read: fragment -> newest published version
+        self.newest: dict[int, int] = {}  # the index as last read (the plan's fragments): fragment -> newest version
         self.refused: dict[int, int] = {}  # fragment -> the version the index named that did not verify
         self.steps: dict[str, int] = {}  # learner -> its newest step in a merge this learner downloaded
         # fragment -> (version, tensors, clock, this learner's newest step in the merges since the version
@@ -78,12 +77,11 @@ class GlobalPoller:
 
     def poll_once(self) -> None:
         index, _ = protocol.read_index(self.store, self.verify)
-        self.newest = dict(index)
+        self.newest = {p: v for p, v in index.items() if p < self.spec.plan.num_fragments}
         for p, v in sorted(index.items()):
             held = self.known.get(p, -1)
             if v <= held or p >= self.spec.plan.num_fragments or self.refused.get(p) == v:
                 continue
-            self.lag[p] = v - held
             fetched = None
             if held >= 0 and v - held <= self.MAX_UPDATE_CHAIN and p in self.current:
                 fetched = self._via_updates(p, held, v)
@@ -103,6 +101,10 @@ class GlobalPoller:
             self.current[p] = fetched[0]
             with self.lock:
                 self.inbox[p] = (v, *fetched)
+
+    def lag(self) -> dict[int, int]:
+        """Versions each fragment's newest download is behind the index as last read (0: caught up)."""
+        return {p: max(0, v - self.known.get(p, v)) for p, v in self.newest.items()}
 
     def announced(self) -> dict[int, int]:
         """The index as last read (fragment -> newest version), less a version refused as unverifiable

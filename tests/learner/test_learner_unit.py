@@ -718,6 +718,7 @@ def test_a_learner_two_versions_behind_holds_its_send_until_it_adopts_or_three_p
     with pytest.raises(StorageError):
         learner.poller.poll_once()
     assert learner.poller.newest[0] == HOLD_LAG and learner.base_version[0] == 0
+    assert learner.poller.lag()[0] == HOLD_LAG  # the adoption_lag_versions metric
 
     def sends(p):
         return [protocol.read_header(run.store, k) for k in run.store.list(layout.deltas_dir("l0"))
@@ -733,9 +734,14 @@ def test_a_learner_two_versions_behind_holds_its_send_until_it_adopts_or_three_p
     held_before = learner.sends_held
     learner.poller.store = run.store
     learner.poller.poll_once()
+    assert learner.poller.lag()[0] == 0  # caught up: the metric says so (it kept the last lag before)
     for _ in range(2 * H):
         learner.step_once()
     assert learner.base_version[0] == HOLD_LAG and learner.sends_held == held_before  # caught up: nothing held
     assert [h.base_version for h in sends(0)][-1] == HOLD_LAG
+    P = run.spec.plan.num_fragments
+    protocol.advance_index(run.store, {P + 3: 9})  # an index naming a fragment outside the plan: ignored
+    learner.poller.poll_once()
+    assert P + 3 not in learner.poller.lag() and learner._stale_bases({}) == set()
     learner.poller.newest, learner.poller.refused = {0: HOLD_LAG + 5}, {0: HOLD_LAG + 5}  # forged: never arrives
     assert learner._stale_bases({}) == set()
