@@ -14,9 +14,7 @@ syncer itself had in hand when it published v and runs the syncer's own pure fun
   (``torch.equal``), the recomputed momentum/step count/residual must equal v's state object, the
   recorded weights must equal ``merge.token_weight`` of the deltas' counters (a resend merged by its
   share, ``syncer.resends``: of its counters beyond the merged delta's, which v−1's state object
-  holds and the entry's ``resent`` must name), the entries marked ``summed`` (one learner's deltas
-  applied as progress, :func:`~ddiloco_geo.syncer.rounds.one_per_learner`) are merged as one
-  contribution, and when an update
+  holds and the entry's ``resent`` must name), and when an update
   object ``u`` exists its decoded tensors must equal the recomputed quantized change. The update
   object's header names the codec and block size; without one (``update_codec = "none"``, or a
   syncer that crashed between writing the global and its update object) replay tries "none", then
@@ -72,7 +70,7 @@ from ddiloco_geo.core.model import build_model, embedding_rule
 from ddiloco_geo.core.outer import MOMENTUM_PREFIX, OuterOptimizer, merge_and_step
 from ddiloco_geo.protocol.publish import RESIDUAL, compress_update, outer_state_from_wire
 from ddiloco_geo.storage import Store
-from ddiloco_geo.syncer.rounds import one_per_learner, resend_share
+from ddiloco_geo.syncer.rounds import resend_share
 from ddiloco_geo.syncer.state import merged_bookkeeping
 
 log = logging.getLogger(__name__)
@@ -245,7 +243,7 @@ class Replayer:
         if not entries:
             raise Divergence(p, v, "record", "merge record lists no merged delta")
         expect = self.spec.plan.expect(p)
-        progress = []
+        anchored, weights = [], []
         merged_base, merged_counts = merged_bookkeeping(state.header.extra)
         for e in entries:
             key = e.get("key", "")
@@ -274,11 +272,8 @@ class Replayer:
             if resent is not None:  # then its share (the syncer's order: the same bits)
                 pg = {n: t * resent[0] for n, t in pg.items()}
             how = e.get("anchor", rec.get("anchoring"))  # an entry names its own when it differs from the run's
-            if e.get("summed") is True and how != "base":
-                raise Divergence(p, v, "record", f"delta {key}: marked 'summed' but not applied as progress")
-            progress.append((str(e.get("learner")) if e.get("summed") is True else None,  # summed as the record says
-                             pg if how == "base" else anchor(params, base, pg), steps, tokens))
-        anchored, weights, _ = one_per_learner(progress)
+            anchored.append(pg if how == "base" else anchor(params, base, pg))
+            weights.append(w)
         robust, sparse = rec.get("robust", "none"), rec.get("sparse_average", "dense")
         if robust not in merge.ROBUST_MODES or sparse not in merge.SPARSE_MODES:
             raise Divergence(p, v, "record", f"merge record has robust={robust!r}, sparse_average={sparse!r}: "

@@ -25,8 +25,7 @@ supersedes the older (deltas are cumulative since the learner adopted that base)
 **anchored** (:func:`anchoring_of`: applied as progress, or pulled, Δ_m = (Θ_current − Θ_base) +
 pseudo_grad_m; a resend on a merged base by its new part, :func:`resend_share`); weights are
 w = tokens · (tokens / steps); each entry of the merge record also carries the learner's step (its
-schedule position: a joining learner reads the run's progress from it); a learner's deltas applied as
-progress are summed into one contribution (:func:`one_per_learner`); token-weighted RDA (weighted mean for embeddings) or a robust
+schedule position: a joining learner reads the run's progress from it); token-weighted RDA (weighted mean for embeddings) or a robust
 average; then one outer step (:func:`ddiloco_geo.core.outer.merge_and_step`). Pure: no I/O.
 """
 
@@ -166,41 +165,6 @@ def is_increment(d: PendingDelta) -> bool:
     return d.header.extra.get("increment") is True
 
 
-def one_per_learner(items: list[tuple[str | None, dict[str, torch.Tensor], int, int]]
-                    ) -> tuple[list[dict[str, torch.Tensor]], list[float], list[int]]:
-    """One contribution per learner's progress: (contributions, weights, which contribution each item
-    went into).
-
-    ``items`` are (learner, anchored delta, steps, tokens) in the merge's order, the learner None for a
-    delta that is not summed with others (:func:`build_merge`: one not applied as progress). A learner's
-    deltas applied as progress (anchoring ``base``) hold disjoint work (one on each base it adopted, or
-    increments since each previous send), so they are summed, in order, into one contribution weighted
-    by their summed steps and tokens: the same work merges the same whether it reached the bucket as
-    one object or as several (a learner's upload queue already sums the increments it holds). Merged
-    as separate contributors, RDA averaged their norms as if each were a learner's whole progress: a
-    learner whose 15 and 4 steps since the last merge arrived as two deltas moved the global by about
-    the mean of the two, and RDA shrank the merge's step toward the smaller pieces (in the fault-free
-    chaos baselines a quarter to a third of the merges held such a pair). A pulled delta (anchored at
-    the current global) is a model, not progress, and stays a contributor of its own."""
-    slots: dict[str, int] = {}
-    contributions: list[dict[str, torch.Tensor]] = []
-    counts: list[tuple[int, int]] = []
-    into = []
-    for learner, delta, steps, tokens in items:
-        k = None if learner is None else slots.get(learner)
-        if k is None:
-            k = len(contributions)
-            contributions.append(delta)
-            counts.append((steps, tokens))
-            if learner is not None:
-                slots[learner] = k
-        else:
-            contributions[k] = {n: t + delta[n] for n, t in contributions[k].items()}
-            counts[k] = (counts[k][0] + steps, counts[k][1] + tokens)
-        into.append(k)
-    return contributions, [merge.token_weight(t, s) for s, t in counts], into
-
-
 def select_contributors(pending: list[PendingDelta]) -> tuple[list[PendingDelta], list[PendingDelta]]:
     """(contributors, superseded): the newest delta per (learner, base version); increments hold
     disjoint work, so every one of them contributes."""
@@ -271,13 +235,11 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     the outer momentum would carry the global past where the learners are; ``outer`` steps every
     merge alike. ``resends``: ``share`` applies a resend's new part only (:func:`resend_share`,
     recorded per entry as ``resent``, the merged delta's counters, and ``share``); ``pull`` anchors
-    it at the current global. A learner's deltas applied as progress are one contribution
-    (:func:`one_per_learner`); their entries record ``summed``.
+    it at the current global.
     """
-    entries = []
+    anchored, weights, entries = [], [], []
     marks = final_marks(state, contributors) if final_merge == "average" else set()
     merge_anchoring = "current" if marks else anchoring  # a final merge averages models: pulled (entries say so)
-    progress = []  # (learner or None, contribution, steps, tokens), for one_per_learner
     for d in contributors:
         factor = clip_factor(state, d, clip_ratio)
         pg = d.pseudo_grad if factor == 1.0 else {n: t * factor for n, t in d.pseudo_grad.items()}
@@ -288,19 +250,15 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
         if resent is not None:
             how, (share, steps, tokens) = "base", resent
             pg = {n: t * share for n, t in pg.items()}
-        progress.append((d.learner, pg, steps, tokens) if how == "base" else
-                        (None, anchor(state.params, bases[d.header.base_version], pg), steps, tokens))
+        anchored.append(pg if how == "base" else anchor(state.params, bases[d.header.base_version], pg))
         w = merge.token_weight(tokens, steps)
+        weights.append(w)
         entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
                         "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w,
                         "step": learner_step(d.header), **({"clip": factor} if factor < 1.0 else {}),
                         **({"anchor": how} if how != anchoring else {}),
                         **({"resent": list(state.merged_counts[d.learner]), "share": resent[0]} if resent else {}),
                         **({"final": True} if d.learner in marks else {})})
-    anchored, weights, summed = one_per_learner(progress)
-    for e, k in zip(entries, summed):
-        if summed.count(k) > 1:
-            e["summed"] = True
     if not anchored or sum(weights) <= 0:
         return None
     share = final_share(state, contributors) if marks else 0.0

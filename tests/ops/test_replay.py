@@ -211,30 +211,6 @@ def test_replay_follows_on_after_more_merges(history):
     assert replay(run.store, run.spec, outer_kwargs=OUTER)["ok"]
 
 
-def test_replay_sums_what_the_record_marks_summed_and_checks_the_marks(history):
-    # a's two increments merge as one contribution (entries marked summed); replay groups them the
-    # same way; a record without the marks (the same deltas as two contributors) diverges at the
-    # params, and a mark on a pulled delta is a bad record
-    run, syncer = history(rounds=2)
-    v, inc = syncer.fragments[0].version, {"extra": {"increment": True}}
-    run.write_delta("a", 0, base_version=v, header_overrides=inc)
-    run.write_delta("a", 0, base_version=v, header_overrides=inc, steps=2, tokens=128)
-    run.write_delta("b", 0, base_version=v)
-    assert poll_and_merge(syncer) == 1
-    rec = protocol.read_header(run.store, layout.global_key(0, v + 1)).extra
-    assert [e.get("summed") for e in rec["merged"]] == [True, True, None]
-    result = replay(run.store, run.spec, outer_kwargs=OUTER)
-    assert result["ok"] and result["bitwise"], result["first_divergence"]
-    unmarked = with_record(run.store, run.spec, {(0, v + 1): lambda r: {
-        **r, "merged": [{k: x for k, x in e.items() if k != "summed"} for e in r["merged"]]}})
-    d = replay(unmarked, run.spec, outer_kwargs=OUTER)["first_divergence"]
-    assert (d["fragment"], d["version"], d["what"]) == (0, v + 1, "params")
-    pulled = with_record(run.store, run.spec, {(0, v + 1): lambda r: {
-        **r, "merged": [{**e, "summed": True, "anchor": "current"} if e["learner"] == "b" else e for e in r["merged"]]}})
-    d = replay(pulled, run.spec, outer_kwargs=OUTER)["first_divergence"]
-    assert (d["fragment"], d["version"], d["what"]) == (0, v + 1, "record") and "summed" in d["detail"]
-
-
 def test_replay_reproduces_a_final_merge_and_the_steps_after_it(history):
     # a merge holding final deltas averages the models (syncer.final_merge=average): its record says
     # so, and replay recomputes it and the outer steps that follow it bit for bit
