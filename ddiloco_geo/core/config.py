@@ -170,8 +170,7 @@ class SyncerConfig(Section):
     merge_spacing: float = Field(1.0, ge=0, le=4, description="minimum time between two merges of one fragment, as a fraction of a fragment period (H x step time); 0 merges as soon as quorum and grace allow")
     robust: Literal["none", "trimmed_mean", "median"] = Field("none", description="for untrusted learners: a coordinate-wise robust average instead of token-weighted RDA")
     trim_ratio: float = Field(0.25, ge=0, lt=0.5, description="share of values dropped at each end per coordinate by robust='trimmed_mean'")
-    sparse_average: Literal["auto", "dense", "per_index"] = Field(
-        "auto", description="how deltas are averaged when robust='none': 'dense' (token-weighted RDA, the mean for "
+    sparse_average: Literal["auto", "dense", "per_index"] = Field("auto", description="how deltas are averaged when robust='none': 'dense' (token-weighted RDA, the mean for "
         "embeddings); 'per_index': each coordinate over the learners that sent a non-zero value there, token-weighted "
         "(SparseLoCo's aggregation, for sparse deltas); 'auto': per_index in a run.codec=topk run, dense otherwise. Recorded in each merge record")
     clip_ratio: float | None = Field(4.0, gt=1, description="merge guard: a contributor whose per-step norm exceeds "
@@ -187,6 +186,7 @@ class SyncerConfig(Section):
         "of the run the outer momentum would carry the global past where the learners are; 'outer': the usual outer step")
     resends: Literal["share", "pull"] = Field("pull", description="with anchoring='base', a delta sent again on the base of "
         "the learner's merged one: 'pull' anchors it at the current global; 'share' applies its steps beyond the merged delta's (recorded as 'resent' and 'share'; not the default: chaos seeds 6-7 ended worse with it)")
+    stale_damping: Literal["inverse", "none"] = Field("none", description="'inverse': a contributor whose base is s >= 2 versions behind the fragment is scaled by 1/s (recorded as 'damp' in its merge entry; not in a final merge); 'none': at full size")
     max_seq_ahead: int = Field(100_000, ge=1, description="a delta key more than this many sequence numbers past the "
                                "learner's last provable one is rejected unread (seq_ahead): an honest learner skips a "
                                "number only when its key is taken, so one foreign object cannot push its numbering away")

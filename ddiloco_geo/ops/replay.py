@@ -70,7 +70,7 @@ from ddiloco_geo.core.model import build_model, embedding_rule
 from ddiloco_geo.core.outer import MOMENTUM_PREFIX, OuterOptimizer, merge_and_step
 from ddiloco_geo.protocol.publish import RESIDUAL, compress_update, outer_state_from_wire
 from ddiloco_geo.storage import Store
-from ddiloco_geo.syncer.rounds import resend_share
+from ddiloco_geo.syncer.rounds import STALE_DAMPING_MODES, resend_share, stale_damping
 from ddiloco_geo.syncer.state import merged_bookkeeping
 
 log = logging.getLogger(__name__)
@@ -245,6 +245,9 @@ class Replayer:
         expect = self.spec.plan.expect(p)
         anchored, weights = [], []
         merged_base, merged_counts = merged_bookkeeping(state.header.extra)
+        damping = rec.get("stale_damping", "none")  # none before stop 48
+        if damping not in STALE_DAMPING_MODES:
+            raise Divergence(p, v, "record", f"merge record has stale_damping={damping!r}: expected one of {STALE_DAMPING_MODES}")
         for e in entries:
             key = e.get("key", "")
             d_header, pg = self._read(p, v, f"delta {key}", lambda: codec.decode(
@@ -272,7 +275,12 @@ class Replayer:
             if resent is not None:  # then its share (the syncer's order: the same bits)
                 pg = {n: t * resent[0] for n, t in pg.items()}
             how = e.get("anchor", rec.get("anchoring"))  # an entry names its own when it differs from the run's
-            anchored.append(pg if how == "base" else anchor(params, base, pg))
+            x = pg if how == "base" else anchor(params, base, pg)
+            damp = 1.0 if rec.get("final") is True else stale_damping(damping, v - 1 - d_header.base_version)
+            if e.get("damp", 1.0) != damp:
+                raise Divergence(p, v, "record", f"delta {key}: recorded damp={e.get('damp')!r}, but its base "
+                                                 f"{d_header.base_version} and stale_damping={damping!r} give {damp!r}")
+            anchored.append(x if damp == 1.0 else {n: t * damp for n, t in x.items()})
             weights.append(w)
         robust, sparse = rec.get("robust", "none"), rec.get("sparse_average", "dense")
         if robust not in merge.ROBUST_MODES or sparse not in merge.SPARSE_MODES:

@@ -104,6 +104,22 @@ def clip_factor(state: FragmentState, d: PendingDelta, clip_ratio: float | None)
     return clip_ratio * reference / d.step_norm
 
 
+STALE_DAMPING_MODES = ("inverse", "none")
+DAMP_FROM = 2  # versions behind: fault-free chaos baselines merge at 0 or 1, runs with slow links and restarts up to 8
+
+
+def stale_damping(mode: str, staleness: int) -> float:
+    """The factor a contributor ``staleness`` versions behind the fragment is scaled by: ``inverse``,
+    1/staleness from :data:`DAMP_FROM` on (the staleness-aware learning rate of asynchronous SGD,
+    Zhang et al. 2016), 1 below it; ``none``: 1. A learner two or more versions behind sends work
+    its peers' merges since its base have mostly made already (its link is slower than the merges,
+    or it restarted from an old checkpoint): applied at full size, one such merge took a chaos run's
+    loss from 2.90 to 3.30 (docs/benchmarks.md, Chaos, stop 48)."""
+    if mode not in STALE_DAMPING_MODES:
+        raise ValueError(f"stale damping {mode!r}: expected one of {STALE_DAMPING_MODES}")
+    return 1.0 / staleness if mode == "inverse" and staleness >= DAMP_FROM else 1.0
+
+
 def anchoring_of(state: FragmentState, d: PendingDelta, anchoring: str) -> str:
     """How one contributor is anchored. ``base`` applies the learner's progress Θ_base − θ_learner as
     it is, except for a delta whose base is at or below the base of this learner's newest merged
@@ -218,7 +234,8 @@ def final_share(state: FragmentState, contributors: list[PendingDelta]) -> float
 def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: dict[int, dict[str, torch.Tensor]],
                 *, is_embedding: Callable[[str], bool], outer_kwargs: dict[str, Any], robust: str,
                 trim_ratio: float, sparse: str = "dense", anchoring: str = "current",
-                clip_ratio: float | None = None, final_merge: str = "outer", resends: str = "pull") -> Merge | None:
+                clip_ratio: float | None = None, final_merge: str = "outer", resends: str = "pull",
+                damping: str = "none") -> Merge | None:
     """Anchor, weigh, merge and step; None when no contributor carries weight.
 
     ``bases`` maps each contributor's base version to that global's parameters. ``anchoring``:
@@ -235,7 +252,9 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
     the outer momentum would carry the global past where the learners are; ``outer`` steps every
     merge alike. ``resends``: ``share`` applies a resend's new part only (:func:`resend_share`,
     recorded per entry as ``resent``, the merged delta's counters, and ``share``); ``pull`` anchors
-    it at the current global.
+    it at the current global. ``damping``: a stale contributor's anchored delta scaled by
+    :func:`stale_damping` (recorded per entry as ``damp``), except in a final merge, which averages
+    models.
     """
     anchored, weights, entries = [], [], []
     marks = final_marks(state, contributors) if final_merge == "average" else set()
@@ -250,13 +269,15 @@ def build_merge(state: FragmentState, contributors: list[PendingDelta], bases: d
         if resent is not None:
             how, (share, steps, tokens) = "base", resent
             pg = {n: t * share for n, t in pg.items()}
-        anchored.append(pg if how == "base" else anchor(state.params, bases[d.header.base_version], pg))
+        x = pg if how == "base" else anchor(state.params, bases[d.header.base_version], pg)
+        damp = 1.0 if marks else stale_damping(damping, state.version - d.header.base_version)
+        anchored.append(x if damp == 1.0 else {n: t * damp for n, t in x.items()})
         w = merge.token_weight(tokens, steps)
         weights.append(w)
         entries.append({"key": d.key, "learner": d.learner, "seq": d.seq, "base_version": d.header.base_version,
                         "num_steps": d.header.num_steps, "num_tokens": d.header.num_tokens, "weight": w,
                         "step": learner_step(d.header), **({"clip": factor} if factor < 1.0 else {}),
-                        **({"anchor": how} if how != anchoring else {}),
+                        **({"anchor": how} if how != anchoring else {}), **({"damp": damp} if damp < 1.0 else {}),
                         **({"resent": list(state.merged_counts[d.learner]), "share": resent[0]} if resent else {}),
                         **({"final": True} if d.learner in marks else {})})
     if not anchored or sum(weights) <= 0:

@@ -85,7 +85,7 @@ class Syncer:
         robust: str = "none",
         trim_ratio: float = 0.25,
         sparse_average: str = "auto",
-        anchoring: str = "current", final_merge: str = "outer", resends: str = "pull",
+        anchoring: str = "current", final_merge: str = "outer", resends: str = "pull", stale_damping: str = "none",
         clip_ratio: float | None = 4.0,
         quarantine_after: int = 20,
         max_seq_ahead: int = 100_000,
@@ -101,8 +101,8 @@ class Syncer:
         self.poll_s, self.idle_exit_s, self.drain_timeout_s = poll_s, idle_exit_s, drain_timeout_s
         self.shard_index, self.num_shards = (int(x) for x in shard.split("/"))
         self.is_embedding, self.update_codec = is_embedding, update_codec
-        self.robust, self.trim_ratio, self.anchoring, self.clip_ratio, self.final_merge, self.resends = \
-            robust, trim_ratio, anchoring, clip_ratio, final_merge, resends
+        self.robust, self.trim_ratio, self.anchoring, self.clip_ratio, self.final_merge, self.resends, self.stale_damping = \
+            robust, trim_ratio, anchoring, clip_ratio, final_merge, resends, stale_damping
         self.sparse_average = ("per_index" if spec.codec == "topk" else "dense") if sparse_average == "auto" else sparse_average
         self.signer, self.verifier, self.require_signatures = signer, verifier, require_signatures
         self.now = now
@@ -242,7 +242,7 @@ class Syncer:
         merged = build_merge(state, contributors, bases, is_embedding=self.is_embedding,
                              outer_kwargs=self.outer_kwargs, robust=self.robust, trim_ratio=self.trim_ratio,
                              sparse=self.sparse_average, anchoring=self.anchoring, clip_ratio=self.clip_ratio, final_merge=self.final_merge,
-                             resends=self.resends)
+                             resends=self.resends, damping=self.stale_damping)
         if merged is None:
             state.pending.clear()
             state.consumed = consumed
@@ -255,7 +255,7 @@ class Syncer:
             "quorum_wait_s": self.ema_quorum.get(), "staleness": [state.version - e["base_version"] for e in entries],
             "outer": self.outer_kwargs, **(merged.final_record() or state.outer.ramp_record()),
             "update_codec": self.update_codec, "robust": self.robust, "trim_ratio": self.trim_ratio, "anchoring": self.anchoring,
-            "sparse_average": self.sparse_average, "clipped": sum(1 for e in entries if "clip" in e),
+            "sparse_average": self.sparse_average, "clipped": sum(1 for e in entries if "clip" in e), "stale_damping": self.stale_damping,
         }
         won = self._publish(state, merged.params, merged.outer, record, consumed, merged.clock)
         if won:

@@ -294,6 +294,32 @@ def test_replay_reproduces_a_resend_the_merge_guard_also_scaled(history):
     assert result["ok"] and result["bitwise"], result["first_divergence"]
 
 
+def test_replay_reproduces_stale_damping_and_checks_the_recorded_factor(history):
+    # syncer.stale_damping=inverse: a delta three versions behind merged at 1/3 of its size, beside
+    # a current one; replay recomputes the factor from the base and the record's mode
+    run, syncer = history(rounds=4, **{"syncer.stale_damping": "inverse", "syncer.anchoring": "base"})
+    v = syncer.fragments[0].version
+    run.write_delta("a", 0, base_version=v - 3, steps=4, tokens=256)
+    run.write_delta("b", 0, base_version=v, steps=4, tokens=256)
+    assert poll_and_merge(syncer) == 1
+    rec = protocol.read_header(run.store, layout.global_key(0, v + 1)).extra
+    damp = {e["learner"]: e.get("damp") for e in rec["merged"]}
+    assert damp == {"a": pytest.approx(1 / 3), "b": None}
+    result = replay(run.store, run.spec, outer_kwargs=OUTER)
+    assert result["ok"] and result["bitwise"], result["first_divergence"]
+
+    def lie(change_entry=None, mode=None):
+        def change(r):
+            r = {**r, "merged": [change_entry(e) if change_entry and e["learner"] == "a" else e for e in r["merged"]]}
+            return {**r, "stale_damping": mode} if mode is not None else r
+        return with_record(run.store, run.spec, {(0, v + 1): change})
+
+    for store in (lie(lambda e: {k: x for k, x in e.items() if k != "damp"}),  # the factor dropped
+                  lie(lambda e: {**e, "damp": 0.5}), lie(mode="none"), lie(mode="halve")):
+        d = replay(store, run.spec, outer_kwargs=OUTER)["first_divergence"]
+        assert (d["fragment"], d["version"], d["what"]) == (0, v + 1, "record") and "damp" in d["detail"]
+
+
 def test_replay_without_an_update_object_tries_the_configured_codec(history):
     """A syncer that crashed between the global and its update object leaves no codec on record."""
     run, _ = history(rounds=3)

@@ -149,6 +149,39 @@ def test_stale_delta_is_anchored_at_the_current_global(tiny_run):
     assert syncer.status()["counters"]["deltas_merged"] == 2
 
 
+@pytest.mark.parametrize("damping", ["inverse", "none"])
+def test_a_contributor_two_or_more_versions_behind_is_damped_by_its_staleness(tiny_run, damping):
+    # stale_damping=inverse: b's progress on base 0 joins version 3 at 1/3 of its size (recorded as
+    # damp); a delta one version behind, and every delta with damping off, at full size
+    run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
+                      "syncer.merge_spacing": 0.0, "syncer.update_codec": "fp32", "syncer.anchoring": "base",
+                      "syncer.stale_damping": damping})
+    syncer = run.syncer()
+    p = 0
+    for v in range(3):
+        run.write_delta("a", p, pg_const(run, p, 0.5 + v), base_version=v)  # each payload its own (replays are rejected)
+        poll(syncer)
+        assert syncer.merge_ready() == 1
+    v3 = run.fragment_params(p, 3)
+    run.write_delta("b", p, pg_const(run, p, -0.3), base_version=0)
+    poll(syncer)
+    syncer.merge_ready()
+    v4 = run.fragment_params(p, 4)
+    shift = 0.1 if damping == "inverse" else 0.3
+    for n in v4:
+        torch.testing.assert_close(v4[n], v3[n] + shift, rtol=1e-6, atol=1e-6)
+    rec = protocol.read_header(run.store, layout.global_key(p, 4)).extra
+    assert rec["stale_damping"] == damping and rec["staleness"] == [3]
+    assert rec["merged"][0].get("damp") == (pytest.approx(1 / 3) if damping == "inverse" else None)
+    run.write_delta("b", p, pg_const(run, p, -0.2), base_version=3)  # one version behind: not damped
+    poll(syncer)
+    syncer.merge_ready()
+    v5 = run.fragment_params(p, 5)
+    for n in v5:
+        torch.testing.assert_close(v5[n], v4[n] + 0.2, rtol=1e-6, atol=1e-6)
+    assert "damp" not in protocol.read_header(run.store, layout.global_key(p, 5)).extra["merged"][0]
+
+
 def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_base(tiny_run):
     # anchoring=base: a stale delta is the learner's own progress, applied on the current global;
     # but a learner that sends again on a base it already had merged (it has not adopted the version
