@@ -180,6 +180,12 @@ def test_a_contributor_two_or_more_versions_behind_is_damped_by_its_staleness(ti
     for n in v5:
         torch.testing.assert_close(v5[n], v4[n] + 0.2, rtol=1e-6, atol=1e-6)
     assert "damp" not in protocol.read_header(run.store, layout.global_key(p, 5)).extra["merged"][0]
+    # a final merge averages the learners' models: a stale final delta is not damped
+    run.write_delta("b", p, pg_const(run, p, -0.1), base_version=3, header_overrides={"extra": {"final": True}})
+    poll(syncer)
+    syncer.merge_ready()
+    rec = protocol.read_header(run.store, layout.global_key(p, 6)).extra
+    assert rec.get("final") is True and rec["staleness"] == [2] and "damp" not in rec["merged"][0]
 
 
 def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_base(tiny_run):
