@@ -194,7 +194,8 @@ def test_base_anchoring_applies_progress_once_and_pulls_a_resend_on_a_merged_bas
     # holding its first delta yet) carries that first delta inside the second one, so the syncer
     # anchors it at the current global instead. The rule survives a syncer restart.
     run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
-                      "syncer.update_codec": "fp32", "syncer.anchoring": "base", "syncer.resends": "pull"})
+                      "syncer.update_codec": "fp32", "syncer.anchoring": "base", "syncer.resends": "pull",
+                      "syncer.stale_damping": "none"})  # anchoring alone: a stale resend at full size
     syncer = run.syncer()
     p = 0
     base0 = run.fragment_params(p, 0)
@@ -251,7 +252,8 @@ def test_a_resend_on_a_merged_base_applies_only_its_new_steps(tiny_run):
     # scaled by new steps / its steps) with the new steps' weight, and nothing the other learners
     # merged since is pulled back. The merged delta's counters survive a syncer restart.
     run = tiny_run(**{"syncer.outer_lr": 1.0, "syncer.outer_momentum": 0.0, "syncer.grace_gamma": 0.0,
-                      "syncer.update_codec": "fp32", "syncer.anchoring": "base", "syncer.resends": "share"})
+                      "syncer.update_codec": "fp32", "syncer.anchoring": "base", "syncer.resends": "share",
+                      "syncer.stale_damping": "none"})  # anchoring alone: a stale resend at full size
     syncer = run.syncer()
     p = 0
     run.write_delta("a", p, pg_const(run, p, 0.5), steps=4, tokens=256)  # merged into v1
