@@ -112,10 +112,9 @@ class Syncer:
         self.policy = RoundPolicy(quorum, grace_gamma, merge_spacing, spec.overlap, spec.sync_every,
                                   self.step_times, self.ema_quorum, self.ema_sync)
         self.counters: dict[str, Any] = {
-            "deltas_seen": 0, "deltas_merged": 0, "deltas_superseded": 0, "deltas_rejected": 0,
-            "rejected_by_reason": defaultdict(int), "versions_published": 0, "publish_races_lost": 0,
-            "merges": 0, "contributors_total": 0, "grace_s_total": 0.0, "contributions_clipped": 0, "stale_contributions": 0,
-            "final_merges": 0}
+            "deltas_seen": 0, "deltas_merged": 0, "deltas_superseded": 0, "deltas_rejected": 0, "final_merges": 0,
+            "rejected_by_reason": defaultdict(int), "versions_published": 0, "publish_races_lost": 0, "merges": 0,
+            "contributors_total": 0, "grace_s_total": 0.0, "contributions_clipped": 0, "contributions_damped": 0, "stale_contributions": 0}
         self.last_merge: dict[int, dict[str, Any]] = {}
         self.registry = Registry()
         self.metrics = syncer_metrics(self.registry)
@@ -270,6 +269,7 @@ class Syncer:
         self.counters["contributors_total"] += record["contributors"]
         self.counters["grace_s_total"] += grace
         self.counters["contributions_clipped"] += record["clipped"]
+        self.counters["contributions_damped"] += sum(1 for e in entries if "damp" in e)
         self.counters["stale_contributions"] += sum(1 for s in record["staleness"] if s > 0)
         self.counters["final_merges"] += record.get("final", False)
         self.ema_sync.update(self.now() - start)
@@ -281,8 +281,8 @@ class Syncer:
         m.publish_seconds.observe(self.now() - start)
         for stale in record["staleness"]:
             m.staleness_versions.observe(stale)
-        self.last_merge[state.fragment] = {k: record[k] for k in ("contributors", "grace_s", "staleness")}
-        self.last_merge[state.fragment]["weights"] = {e["learner"]: e["weight"] for e in entries}
+        self.last_merge[state.fragment] = {**{k: record[k] for k in ("contributors", "grace_s", "staleness")},
+                                           "weights": {e["learner"]: e["weight"] for e in entries}}
 
     # --- publishing ------------------------------------------------------------------------------
 

@@ -173,6 +173,7 @@ def test_a_contributor_two_or_more_versions_behind_is_damped_by_its_staleness(ti
     rec = protocol.read_header(run.store, layout.global_key(p, 4)).extra
     assert rec["stale_damping"] == damping and rec["staleness"] == [3]
     assert rec["merged"][0].get("damp") == (pytest.approx(1 / 3) if damping == "inverse" else None)
+    assert syncer.status()["counters"]["contributions_damped"] == (damping == "inverse")
     run.write_delta("b", p, pg_const(run, p, -0.2), base_version=3)  # one version behind: not damped
     poll(syncer)
     syncer.merge_ready()
