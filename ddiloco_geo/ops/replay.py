@@ -276,7 +276,8 @@ class Replayer:
                 pg = {n: t * resent[0] for n, t in pg.items()}
             how = e.get("anchor", rec.get("anchoring"))  # an entry names its own when it differs from the run's
             x = pg if how == "base" else anchor(params, base, pg)
-            damp = 1.0 if rec.get("final") is True else stale_damping(damping, v - 1 - d_header.base_version)
+            on = state.header.version  # the version merged onto: v - 1, or below it across a set-aside forged global
+            damp = 1.0 if rec.get("final") is True else stale_damping(damping, on - d_header.base_version)
             if e.get("damp", 1.0) != damp:
                 raise Divergence(p, v, "record", f"delta {key}: recorded damp={e.get('damp')!r}, but its base "
                                                  f"{d_header.base_version} and stale_damping={damping!r} give {damp!r}")
