@@ -99,3 +99,89 @@ def test_a_set_that_an_arm_fixes_is_refused_by_name_not_silently_overridden():
     with pytest.raises(SystemExit) as err:  # a key the study itself sets, for every arm
         main(["bench", "convergence", "--arms", "lockstep", "--set", "model.name=small"])
     assert "model.name" in str(err.value) and "--model" in str(err.value)
+
+
+def _row(arm: str, seed: int, h: float, loss: float, dp: float) -> dict:
+    return {"M": 2, "arm": arm, "seed": seed, "h": h, "eval_loss": loss, "dp_eval_loss": dp, "loss_ratio": loss / dp}
+
+
+@pytest.mark.unit
+def test_spread_gives_each_arms_ratio_and_points_from_lock_step_per_seed_with_mean_sd_and_se():
+    from ddiloco_geo.tools.bench.convergence import spread
+
+    table = [_row("lockstep", s, 0.5, 9.0, 9.0) for s in (0, 1, 2)]  # a smaller horizon: not in the spread
+    table += [_row("lockstep", 0, 1.0, 1.50, 1.50), _row("lockstep", 1, 1.0, 1.53, 1.50), _row("lockstep", 2, 1.0, 1.47, 1.47),
+              _row("adopt", 0, 1.0, 1.53, 1.50), _row("adopt", 1, 1.0, 1.53, 1.50), _row("adopt", 2, 1.0, 1.47, 1.47),
+              _row("streaming", 1, 1.0, 1.56, 1.50)]  # one seed only: no sd, paired with that seed's lock-step
+    rows = {r["arm"]: r for r in spread(table)}
+    assert [r["arm"] for r in spread(table)] == ["lockstep", "streaming", "adopt"]  # the ladder's order
+    lock, adopt, streaming = rows["lockstep"], rows["adopt"], rows["streaming"]
+    assert lock["n"] == 3 and lock["seeds"] == [0, 1, 2] and "points_vs_lockstep" not in lock
+    assert lock["loss_ratio"]["values"] == pytest.approx([1.0, 1.02, 1.0])
+    assert lock["loss_ratio"]["mean"] == pytest.approx(3.02 / 3)
+    points = adopt["points_vs_lockstep"]
+    assert points["values"] == pytest.approx([2.0, 0.0, 0.0])  # 100 x (arm - lock-step) / dp, seed by seed
+    assert points["mean"] == pytest.approx(2 / 3)
+    assert points["sd"] == pytest.approx(math.sqrt(((4 / 3) ** 2 + 2 * (2 / 3) ** 2) / 2))
+    assert points["se"] == pytest.approx(points["sd"] / math.sqrt(3))
+    assert streaming["n"] == 1 and streaming["loss_ratio"]["sd"] is None and streaming["loss_ratio"]["se"] is None
+    assert streaming["points_vs_lockstep"]["values"] == pytest.approx([2.0])
+
+
+@pytest.mark.unit
+def test_seeds_run_the_study_once_per_seed_each_with_its_model_seed(tmp_path, monkeypatch):
+    """``--seeds 3,5``: every job once per seed, with that seed as the harness's and as model.seed; the
+    table has each seed's rows against that seed's data-parallel, and the spread covers both."""
+    import concurrent.futures
+
+    from ddiloco_geo.tools.bench import convergence
+
+    seen = []
+
+    def fake_task(job):
+        args = job["args"]
+        seen.append((job["arm"], args["seed"], tuple(args["overrides"])))
+        loss = {"dp": 2.0, "lockstep": 2.02, "adopt": 2.04}[job["arm"].split("@")[0]] + args["seed"] / 100
+        return {"eval_loss": loss, "tokens": 1000, "arm": job["arm"], "M": job["M"], "h": job["h"],
+                "steps": job["steps"], "seed": args["seed"], "wall_s": 0.0, **({"lr_scale": job["lr_scale"]} if "lr_scale" in job else {})}
+
+    class InProcessPool:
+        def __init__(self, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, job):
+            fut = concurrent.futures.Future()
+            fut.set_result(fn(job))
+            return fut
+
+    monkeypatch.setattr(convergence, "_task", fake_task)
+    monkeypatch.setattr(convergence.concurrent.futures, "ProcessPoolExecutor", InProcessPool)
+    out = tmp_path / "conv"
+    assert main(["bench", "convergence", "--learners", "2", "--horizons", "1", "--seeds", "3,5",
+                 "--set", "syncer.outer_lr=0.5", "--out", str(out)]) == 0
+    assert sorted(seen) == sorted((arm, s, ("syncer.outer_lr=0.5", f"model.seed={s}"))
+                                  for s in (3, 5) for arm in ("dp@0.75", "lockstep", "adopt"))
+    result = json.loads((out / "convergence.json").read_text())
+    assert result["seeds"] == [3, 5]
+    by = {(r["arm"], r["seed"]): r for r in result["table"]}
+    assert by[("adopt", 5)]["dp_eval_loss"] == pytest.approx(2.05)  # its own seed's data-parallel
+    adopt = next(r for r in result["spread"] if r["arm"] == "adopt")
+    assert adopt["n"] == 2 and adopt["points_vs_lockstep"]["values"] == pytest.approx([100 * 0.02 / 2.03, 100 * 0.02 / 2.05])
+    assert "M=2 adopt seed 5" in result["curves"] and (out / "convergence.png").exists()
+    with pytest.raises(SystemExit) as err:  # model.seed is what --seeds sets
+        main(["bench", "convergence", "--seeds", "1,2", "--set", "model.seed=4"])
+    assert "model.seed" in str(err.value)
+
+
+@pytest.mark.unit
+def test_seeds_that_are_not_distinct_integers_are_refused_before_any_training():
+    for bad in ("1,x", "2,2"):
+        with pytest.raises(SystemExit) as err:
+            main(["bench", "convergence", "--seeds", bad])
+        assert "--seeds" in str(err.value)

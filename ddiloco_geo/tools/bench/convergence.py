@@ -21,6 +21,11 @@ tokens; extrapolated from the last two horizons, and flagged, when the arm never
 ``dp_equivalent``, the same ratio at the arm's final loss: data-parallel's tokens to get as far (on
 data-parallel's curve) over the arm's tokens.
 Settings common to every arm come from ``--set``; each arm's own settings are in ``ARMS``.
+``--seeds 0,1,2`` runs the whole study once per seed (initial weights, data order and the harness's
+timing all drawn from it) and reports the **spread**: per M and arm, at the largest horizon, the
+ratio to data-parallel and the points from lock-step on each seed, with mean, standard deviation and
+standard error. A single run of an arm moves by about a point with its seed (docs/benchmarks.md),
+as much as most effects studied here, so a goal of half a point is read on a mean over seeds.
 Runs go to ``--jobs`` worker processes (one torch thread each); progress lines on stderr; a PNG
 of eval loss against tokens per M.
 
@@ -83,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--out", default="out/convergence", help="directory for convergence.json and convergence.png")
     p.add_argument("--seed", type=int, default=0, help="harness seed (learner speeds and jitter)")
+    p.add_argument("--seeds", help="comma list: the whole study once per seed S, each with --seed S and "
+                   "model.seed=S (initial weights and data order); the JSON's 'spread' gives, per M and arm, "
+                   "the ratio to data-parallel and the points from lock-step on each seed, with their mean, "
+                   "standard deviation and standard error")
     p.add_argument("--set", action="append", default=[], dest="overrides", help="settings KEY=VALUE for every arm")
     p.add_argument("--speeds", choices=["arm", EQUAL, HETERO], default="arm",
                    help="learner speeds of the harness arms: each arm's own (default), or all equal / half 18%% slower")
@@ -105,6 +114,27 @@ def _settings(args: argparse.Namespace, M: int, steps: int, arm_settings: dict[s
             **{k: (M if v == "M" else v) for k, v in arm_settings.items()}}
     settings, _ = config.load(cli=config.overrides_tree(getattr(args, "overrides", None), flat))
     return settings
+
+
+def _parse_seeds(text: str | None) -> list[int | None]:
+    """``--seeds``: distinct integers; ``[None]`` without it (one study at ``--seed``)."""
+    if not text:
+        return [None]
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--seeds {text!r}: expected a comma list of integers, e.g. 0,1,2") from None
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds {text!r}: each seed once")
+    return seeds
+
+
+def _seed_args(plain: dict[str, Any], seed: int | None) -> dict[str, Any]:
+    """A job's arguments: ``plain`` as given, or for one seed of ``--seeds`` with that seed as the
+    harness's (``--seed``) and the initial weights' (``model.seed``)."""
+    if seed is None:
+        return plain
+    return {**plain, "seed": seed, "overrides": [*(plain.get("overrides") or []), f"model.seed={seed}"]}
 
 
 def _refuse_fixed(overrides: list[str] | None, arm: str) -> None:
@@ -151,7 +181,7 @@ def _task(job: dict[str, Any]) -> dict[str, Any]:
             speeds = speeds if getattr(args, "speeds", "arm") == "arm" else args.speeds
             out = _harness(settings, M, speeds, faults, args.seed, f"{arm} M={M} h={job['h']}",
                            jitter=getattr(args, "jitter", None))
-    out.update({"arm": arm, "M": M, "h": job["h"], "steps": steps, "wall_s": time.perf_counter() - t0})
+    out.update({"arm": arm, "M": M, "h": job["h"], "steps": steps, "seed": args.seed, "wall_s": time.perf_counter() - t0})
     return out
 
 
@@ -209,6 +239,9 @@ def run(args: argparse.Namespace) -> int:
         if a not in ARMS:
             raise SystemExit(f"unknown arm {a!r}: choose from {', '.join(ARMS)}")
         _refuse_fixed(args.overrides, a)
+    seeds = _parse_seeds(getattr(args, "seeds", None))
+    if seeds != [None] and any(item.split("=", 1)[0].strip() == "model.seed" for item in args.overrides or []):
+        raise SystemExit("--set model.seed: --seeds sets it for each seed (model.seed = the seed)")
     dp_scales = lr_scales(args.dp_lr_scales)
     ladder_M = max(Ms) if args.ladder_at == "max" else int(args.ladder_at)
     base = _settings(args, Ms[0], 1, {})
@@ -224,8 +257,7 @@ def run(args: argparse.Namespace) -> int:
             for a in arms if M == ladder_M else [a for a in arms if a in ("lockstep", "adopt")]:
                 jobs.append({"arm": a, "M": M, "h": h, "steps": steps})
     plain = {k: v for k, v in vars(args).items() if not callable(v) and not k.startswith("_")}
-    for j in jobs:
-        j["args"] = plain
+    jobs = [{**j, "args": _seed_args(plain, seed)} for seed in seeds for j in jobs]
     print(f"bench convergence: {params} parameters, budget {budget / 1e6:.1f}M tokens, {len(jobs)} runs on "
           f"{args.jobs} workers", file=sys.stderr, flush=True)
     results, t0 = [], time.perf_counter()
@@ -248,14 +280,66 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
     else:
         for row in out["table"]:
-            print(f"M={row['M']} {row['arm']:>9}: loss {row['eval_loss']:.4f} ratio {row['loss_ratio']:.4f} "
-                  f"efficiency {row.get('token_efficiency')}")
+            print(f"seed {row['seed']} M={row['M']} {row['arm']:>9}: loss {row['eval_loss']:.4f} ratio "
+                  f"{row['loss_ratio']:.4f} efficiency {row.get('token_efficiency')}")
+        for row in out["spread"]:
+            vs_lock = row.get("points_vs_lockstep")
+            print(f"M={row['M']} {row['arm']:>9} over {row['n']} seed(s): ratio {_fmt(row['loss_ratio'])}"
+                  + (f", points from lock-step {_fmt(vs_lock)}" if vs_lock else ""))
     return 0
+
+
+def _fmt(stats: dict[str, Any]) -> str:
+    return f"mean {stats['mean']:.4f}" + (f" sd {stats['sd']:.4f} se {stats['se']:.4f}" if stats["sd"] is not None else "")
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    """Mean, sample standard deviation and standard error of the mean (None for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    return {"values": values, "mean": mean, "sd": sd, "se": sd / math.sqrt(n) if sd is not None else None}
+
+
+def spread(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (M, arm), at the largest horizon, over the seeds: the loss ratio to data-parallel, and for
+    every arm but lock-step its points from lock-step on the same seed (100 × (arm − lock-step) /
+    data-parallel: the difference of the two ratios, paired by seed)."""
+    last = {r["M"]: max(x["h"] for x in table if x["M"] == r["M"]) for r in table}
+    top = {(r["M"], r["arm"], r["seed"]): r for r in table if r["h"] == last[r["M"]]}
+    out = []
+    for M, arm in sorted({(M, a) for M, a, _ in top}, key=lambda k: (k[0], list(ARMS).index(k[1]))):
+        rows = sorted((r for k, r in top.items() if k[:2] == (M, arm)), key=lambda r: r["seed"])
+        entry = {"M": M, "arm": arm, "n": len(rows), "seeds": [r["seed"] for r in rows],
+                 "loss_ratio": _stats([r["loss_ratio"] for r in rows])}
+        paired = [(r, top[(M, "lockstep", r["seed"])]) for r in rows if (M, "lockstep", r["seed"]) in top]
+        if arm != "lockstep" and paired:
+            entry["points_vs_lockstep"] = _stats([100 * (r["eval_loss"] - lock["eval_loss"]) / r["dp_eval_loss"]
+                                                  for r, lock in paired])
+        out.append(entry)
+    return out
 
 
 def summarize(results: list[dict[str, Any]], Ms: list[int], horizons: list[float], arms: list[str],
               params: int, budget: float) -> dict[str, Any]:
+    """The table (a row per seed, M, arm and horizon), the curves (per seed when there are several)
+    and the spread over the seeds (:func:`spread`)."""
+    seeds = sorted({r["seed"] for r in results})
     table, curves = [], {}
+    for seed in seeds:
+        tag = f" seed {seed}" if len(seeds) > 1 else ""
+        _summarize_seed([r for r in results if r["seed"] == seed], Ms, horizons, arms, table, curves, tag)
+    return {"parameters": params, "budget_tokens": budget, "horizons": horizons, "learners": Ms, "seeds": seeds,
+            "how": "each (seed, M, arm, horizon) a separate run with its own schedule; ratio = arm / best data-parallel "
+                   "at the same tokens and seed; token_efficiency = dp tokens / tokens the arm needs for dp's final loss; "
+                   "dp_equivalent = tokens dp needs for the arm's final loss / the arm's tokens; spread: over the "
+                   "seeds at the largest horizon, points_vs_lockstep = 100 x (arm - lockstep) / dp, paired by seed",
+            "table": table, "spread": spread(table), "curves": curves,
+            "dp_runs": [r for r in results if r["arm"].startswith("dp@")]}
+
+
+def _summarize_seed(results: list[dict[str, Any]], Ms: list[int], horizons: list[float], arms: list[str],
+                    table: list[dict[str, Any]], curves: dict[str, Any], tag: str) -> None:
     for M in Ms:
         dp_best: dict[float, dict[str, Any]] = {}
         for r in results:
@@ -263,13 +347,13 @@ def summarize(results: list[dict[str, Any]], Ms: list[int], horizons: list[float
                 if r["h"] not in dp_best or r["eval_loss"] < dp_best[r["h"]]["eval_loss"]:
                     dp_best[r["h"]] = r
         dp_curve = [(dp_best[h]["tokens"], dp_best[h]["eval_loss"]) for h in horizons if h in dp_best]
-        curves[f"M={M} dp"] = dp_curve
+        curves[f"M={M} dp{tag}"] = dp_curve
         for a in arms:
             rows = sorted((r for r in results if r["M"] == M and r["arm"] == a), key=lambda r: r["h"])
             if not rows:
                 continue
             curve = [(r["tokens"], r["eval_loss"]) for r in rows]
-            curves[f"M={M} {a}"] = curve
+            curves[f"M={M} {a}{tag}"] = curve
             eff, extrapolated = token_efficiency(dp_curve, curve)
             equivalent, eq_extrapolated = dp_equivalent(dp_curve, curve)
             for r in rows:
@@ -281,11 +365,6 @@ def summarize(results: list[dict[str, Any]], Ms: list[int], horizons: list[float
                     row.update({"token_efficiency": eff, "efficiency_extrapolated": extrapolated,
                                 "dp_equivalent": equivalent, "dp_equivalent_extrapolated": eq_extrapolated})
                 table.append(row)
-    return {"parameters": params, "budget_tokens": budget, "horizons": horizons, "learners": Ms,
-            "how": "each (M, arm, horizon) a separate run with its own schedule; ratio = arm / best data-parallel "
-                   "at the same tokens; token_efficiency = dp tokens / tokens the arm needs for dp's final loss; "
-                   "dp_equivalent = tokens dp needs for the arm's final loss / the arm's tokens",
-            "table": table, "curves": curves, "dp_runs": [r for r in results if r["arm"].startswith("dp@")]}
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -302,7 +381,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
                 continue
             t, loss = zip(*curve)
             ax.plot([x / 1e6 for x in t], loss, marker="o", label=name.split(" ", 1)[1],
-                    linewidth=2.5 if name.endswith(" dp") else 1.2, color="black" if name.endswith(" dp") else None)
+                    linewidth=2.5 if " dp" in name else 1.2, color="black" if " dp" in name else None)
         ax.set_xscale("log")
         ax.set_xlabel("tokens (millions, all learners together)")
         ax.set_ylabel("eval loss (global model)")
