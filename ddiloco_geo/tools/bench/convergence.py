@@ -43,6 +43,7 @@ import json
 import math
 import multiprocessing
 import os
+import statistics
 import sys
 import threading
 import time
@@ -125,7 +126,7 @@ def _parse_seeds(text: str | None) -> list[int | None]:
     except ValueError:
         raise SystemExit(f"--seeds {text!r}: expected a comma list of integers, e.g. 0,1,2") from None
     if len(set(seeds)) != len(seeds):
-        raise SystemExit(f"--seeds {text!r}: each seed once")
+        raise SystemExit(f"--seeds {text!r}: list each seed once")
     return seeds
 
 
@@ -137,10 +138,15 @@ def _seed_args(plain: dict[str, Any], seed: int | None) -> dict[str, Any]:
     return {**plain, "seed": seed, "overrides": [*(plain.get("overrides") or []), f"model.seed={seed}"]}
 
 
+def _set_keys(overrides: list[str] | None) -> set[str]:
+    """The settings keys a list of ``--set KEY=VALUE`` names."""
+    return {item.split("=", 1)[0].strip() for item in overrides or []}
+
+
 def _refuse_fixed(overrides: list[str] | None, arm: str) -> None:
     """A ``--set`` of a key the study or ``arm`` sets would lose silently (``_settings``): refuse it,
     saying what to use instead."""
-    keys = {item.split("=", 1)[0].strip() for item in overrides or []}
+    keys = _set_keys(overrides)
     study = sorted(keys & set(STUDY_KEYS))
     if study:
         raise SystemExit(f"--set {', '.join(study)}: the study sets it for every arm; use "
@@ -240,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown arm {a!r}: choose from {', '.join(ARMS)}")
         _refuse_fixed(args.overrides, a)
     seeds = _parse_seeds(getattr(args, "seeds", None))
-    if seeds != [None] and any(item.split("=", 1)[0].strip() == "model.seed" for item in args.overrides or []):
+    if seeds != [None] and "model.seed" in _set_keys(args.overrides):
         raise SystemExit("--set model.seed: --seeds sets it for each seed (model.seed = the seed)")
     dp_scales = lr_scales(args.dp_lr_scales)
     ladder_M = max(Ms) if args.ladder_at == "max" else int(args.ladder_at)
@@ -295,17 +301,18 @@ def _fmt(stats: dict[str, Any]) -> str:
 
 def _stats(values: list[float]) -> dict[str, Any]:
     """Mean, sample standard deviation and standard error of the mean (None for one value)."""
-    n = len(values)
-    mean = sum(values) / n
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
-    return {"values": values, "mean": mean, "sd": sd, "se": sd / math.sqrt(n) if sd is not None else None}
+    sd = statistics.stdev(values) if len(values) > 1 else None
+    return {"values": values, "mean": statistics.fmean(values), "sd": sd,
+            "se": sd / math.sqrt(len(values)) if sd is not None else None}
 
 
 def spread(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (M, arm), at the largest horizon, over the seeds: the loss ratio to data-parallel, and for
     every arm but lock-step its points from lock-step on the same seed (100 × (arm − lock-step) /
     data-parallel: the difference of the two ratios, paired by seed)."""
-    last = {r["M"]: max(x["h"] for x in table if x["M"] == r["M"]) for r in table}
+    last: dict[int, float] = {}
+    for r in table:
+        last[r["M"]] = max(last.get(r["M"], r["h"]), r["h"])
     top = {(r["M"], r["arm"], r["seed"]): r for r in table if r["h"] == last[r["M"]]}
     out = []
     for M, arm in sorted({(M, a) for M, a, _ in top}, key=lambda k: (k[0], list(ARMS).index(k[1]))):
