@@ -28,6 +28,9 @@ ENV_NESTED = "__"
 CONFIG_FILE_ENV = "DDILOCO_CONFIG"
 TEST_ENV_PREFIX = "DDILOCO_TEST_"  # reserved for the test harness (e.g. DDILOCO_TEST_LOCALSTACK_URL)
 TOPK_OUTER = (1.0, 0.0)  # the outer (lr, momentum) a top-k run gets by default: plain averaging
+# local.learners -> the outer lr that run gets by default, where one was measured better than syncer.outer_lr's
+# default at that M (docs/benchmarks.md, Quality, stop 51); the optimal outer lr grows with M (Charles et al. 2025)
+OUTER_LR_BY_LEARNERS = {2: 0.25}
 # Process switches outside the settings tree, read before any settings (docs/configuration.md): codec/native.py, cli/main.py
 PROCESS_ENV = frozenset({"DDILOCO_NATIVE_CODEC", "DDILOCO_NATIVE_DIR", "DDILOCO_MALLOC_TUNING"})
 
@@ -163,7 +166,8 @@ class SyncerConfig(Section):
     grace_gamma: float = Field(0.5, ge=0, lt=1, description="share of the slack spent waiting for stragglers (0 disables)")
     ema_decay: float = Field(0.8, gt=0, lt=1, description="EMA weight on the old value for timings (step times: one EMA per learner, their median)")
     outer_lr: float = Field(0.4, gt=0, description="outer learning rate (1.0 with momentum 0 is plain averaging); 0.4 with Nesterov 0.9 measured "
-                            "best at a compute-optimal budget; 1.0 with momentum 0 by default in a run.codec=topk run (docs/benchmarks.md)")
+                            "best at a compute-optimal budget with 4 learners; 0.25 by default with local.learners=2, where it measured "
+                            "better (set it so in a two-learner deployment); 1.0 with momentum 0 by default in a run.codec=topk run (docs/benchmarks.md)")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum; 0 by default in a run.codec=topk run (see outer_lr)")
     nesterov: bool = True
     outer_warmup: int = Field(32, ge=0, description="outer steps of a fragment that move it linearly from plain averaging to outer_lr / outer_momentum")
@@ -232,7 +236,7 @@ class FragmentConfig(Section):
 
 
 class LocalConfig(Section):
-    learners: int = Field(3, ge=1, description="M learner processes")
+    learners: int = Field(3, ge=1, description="M learner processes (2 also sets the outer lr default to 0.25: see syncer.outer_lr)")
     out: str = Field("out", description="directory for summary.json and plots")
     fresh: bool = Field(True, description="start a new run (wipe a local store) instead of joining one")
 
@@ -294,6 +298,18 @@ class Settings(BaseSettings):
         plain averaging at the compute-optimal budget (docs/benchmarks.md)."""
         if self.run.codec == "topk" and not ({"outer_lr", "outer_momentum"} & self.syncer.model_fields_set):
             self.syncer.outer_lr, self.syncer.outer_momentum = TOPK_OUTER
+        return self
+
+    @model_validator(mode="after")
+    def _outer_lr_for_learners(self) -> "Settings":
+        """A run of ``local.learners`` M learners with an entry in ``OUTER_LR_BY_LEARNERS`` gets that
+        outer lr unless ``syncer.outer_lr`` is set explicitly (or the run is top-k, which has its own):
+        0.4 was tuned at M = 4; at M = 2 the merged delta averages fewer learners and 0.25 measured
+        better on every seed tried (docs/benchmarks.md). A deployment that is not started by ``local``
+        sets ``syncer.outer_lr`` itself (docs/configuration.md)."""
+        if (self.run.codec != "topk" and "outer_lr" not in self.syncer.model_fields_set
+                and self.local.learners in OUTER_LR_BY_LEARNERS):
+            self.syncer.outer_lr = OUTER_LR_BY_LEARNERS[self.local.learners]
         return self
 
 

@@ -163,3 +163,19 @@ def test_a_topk_run_defaults_to_plain_averaging_unless_the_outer_optimizer_is_se
     assert (settings.syncer.outer_lr, settings.syncer.outer_momentum) == (0.4, 0.5)  # explicit: theirs
     settings, _ = config.load(environ={})
     assert (settings.syncer.outer_lr, settings.syncer.outer_momentum) == (0.4, 0.9)  # int4: Nesterov
+
+
+def test_two_learners_default_to_the_outer_lr_measured_for_two_unless_it_is_set(tmp_path):
+    assert config.OUTER_LR_BY_LEARNERS[2] != config.SyncerConfig().outer_lr
+    for learners, expected in ((2, config.OUTER_LR_BY_LEARNERS[2]), (3, 0.4), (4, 0.4)):
+        settings, _ = config.load(environ={}, cli={"local": {"learners": learners}})
+        assert (settings.syncer.outer_lr, settings.syncer.outer_momentum) == (expected, 0.9)
+    settings, _ = config.load(environ={"DDILOCO_SYNCER__OUTER_LR": "0.4"}, cli={"local": {"learners": 2}})
+    assert settings.syncer.outer_lr == 0.4  # explicit: theirs
+    settings, _ = config.load(environ={}, cli={"local": {"learners": 2}, "run": {"codec": "topk"}})
+    assert (settings.syncer.outer_lr, settings.syncer.outer_momentum) == config.TOPK_OUTER  # top-k has its own
+    # `local` hands its children the resolved settings as a file: they run at the same outer lr
+    settings, _ = config.load(environ={}, cli={"local": {"learners": 2}})
+    (tmp_path / "settings.json").write_text(settings.model_dump_json())
+    child, _ = config.load(environ={}, config_file=tmp_path / "settings.json")
+    assert child.syncer.outer_lr == config.OUTER_LR_BY_LEARNERS[2]
