@@ -28,9 +28,7 @@ ENV_NESTED = "__"
 CONFIG_FILE_ENV = "DDILOCO_CONFIG"
 TEST_ENV_PREFIX = "DDILOCO_TEST_"  # reserved for the test harness (e.g. DDILOCO_TEST_LOCALSTACK_URL)
 TOPK_OUTER = (1.0, 0.0)  # the outer (lr, momentum) a top-k run gets by default: plain averaging
-# local.learners -> the outer lr that run gets by default, where one was measured better than syncer.outer_lr's
-# default at that M (docs/benchmarks.md, Quality, stop 51); the optimal outer lr grows with M (Charles et al. 2025)
-OUTER_LR_BY_LEARNERS = {2: 0.25}
+OUTER_LR_BY_LEARNERS = {2: 0.25}  # local.learners -> its default outer lr, where one measured better than 0.4 (docs/benchmarks.md)
 # Process switches outside the settings tree, read before any settings (docs/configuration.md): codec/native.py, cli/main.py
 PROCESS_ENV = frozenset({"DDILOCO_NATIVE_CODEC", "DDILOCO_NATIVE_DIR", "DDILOCO_MALLOC_TUNING"})
 
@@ -165,9 +163,8 @@ class SyncerConfig(Section):
     quorum: int = Field(1, ge=1, description="minimum learners K before a fragment is merged")
     grace_gamma: float = Field(0.5, ge=0, lt=1, description="share of the slack spent waiting for stragglers (0 disables)")
     ema_decay: float = Field(0.8, gt=0, lt=1, description="EMA weight on the old value for timings (step times: one EMA per learner, their median)")
-    outer_lr: float = Field(0.4, gt=0, description="outer learning rate (1.0 with momentum 0 is plain averaging); 0.4 with Nesterov 0.9 measured "
-                            "best at a compute-optimal budget with 4 learners; 0.25 by default with local.learners=2, where it measured "
-                            "better (set it so in a two-learner deployment); 1.0 with momentum 0 by default in a run.codec=topk run (docs/benchmarks.md)")
+    outer_lr: float = Field(0.4, gt=0, description="outer learning rate (1.0 with momentum 0 is plain averaging); 0.4 with Nesterov 0.9 measured best at a compute-optimal "
+                            "budget with 4 learners; 0.25 with local.learners=2 (set it so in a two-learner deployment); 1.0 with momentum 0 in a run.codec=topk run (docs/benchmarks.md)")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum; 0 by default in a run.codec=topk run (see outer_lr)")
     nesterov: bool = True
     outer_warmup: int = Field(32, ge=0, description="outer steps of a fragment that move it linearly from plain averaging to outer_lr / outer_momentum")
@@ -292,23 +289,12 @@ class Settings(BaseSettings):
     gc: GcConfig = Field(default_factory=GcConfig)
 
     @model_validator(mode="after")
-    def _topk_outer_default(self) -> "Settings":
-        """A top-k run merges with plain averaging unless the outer optimizer is set explicitly:
-        top-k deltas with error feedback under the Nesterov default measured 2.27 against 1.75 with
-        plain averaging at the compute-optimal budget (docs/benchmarks.md)."""
+    def _outer_defaults(self) -> "Settings":
+        """Unless set explicitly: top-k merges with plain averaging (with error feedback, Nesterov measured 2.27 against 1.75); a run of
+        ``local.learners`` in ``OUTER_LR_BY_LEARNERS`` gets that outer lr (0.4 was tuned with 4; 2 measured better at 0.25; docs/benchmarks.md)."""
         if self.run.codec == "topk" and not ({"outer_lr", "outer_momentum"} & self.syncer.model_fields_set):
             self.syncer.outer_lr, self.syncer.outer_momentum = TOPK_OUTER
-        return self
-
-    @model_validator(mode="after")
-    def _outer_lr_for_learners(self) -> "Settings":
-        """A run of ``local.learners`` M learners with an entry in ``OUTER_LR_BY_LEARNERS`` gets that
-        outer lr unless ``syncer.outer_lr`` is set explicitly (or the run is top-k, which has its own):
-        0.4 was tuned at M = 4; at M = 2 the merged delta averages fewer learners and 0.25 measured
-        better on every seed tried (docs/benchmarks.md). A deployment that is not started by ``local``
-        sets ``syncer.outer_lr`` itself (docs/configuration.md)."""
-        if (self.run.codec != "topk" and "outer_lr" not in self.syncer.model_fields_set
-                and self.local.learners in OUTER_LR_BY_LEARNERS):
+        elif self.run.codec != "topk" and "outer_lr" not in self.syncer.model_fields_set and self.local.learners in OUTER_LR_BY_LEARNERS:
             self.syncer.outer_lr = OUTER_LR_BY_LEARNERS[self.local.learners]
         return self
 
@@ -396,10 +382,8 @@ def _describe(err: ValidationError, origin: dict[str, str]) -> str:
     for e in err.errors():
         dotted = ".".join(str(p) for p in e["loc"])
         where = origin.get(dotted, "default")
-        if e["type"] == "extra_forbidden":
-            hint = "unknown key; check the spelling ('ddiloco-geo config --show' lists every key)"
-        else:
-            hint = e["msg"]
+        hint = ("unknown key; check the spelling ('ddiloco-geo config --show' lists every key)"
+                if e["type"] == "extra_forbidden" else e["msg"])
         if not e["loc"]:  # a check across sections: no single key to point at
             lines.append(f"  {hint}")
             continue
