@@ -82,9 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"the whole ladder: {LADDER})")
     p.add_argument("--ladder-at", default="max", help="M at which the whole ladder runs ('max' or a number); "
                    "other M run lockstep and the product default (adopt) only")
-    p.add_argument("--dp-lr-scales", default="0.75", help="data-parallel peak lr, as multipliers of learner.lr, "
-                   "tried (best kept). 0.75 of the default 6e-3 is 4.5e-3, which beat 3e-3 and 6e-3 at the full "
-                   "budget (docs/benchmarks.md)")
+    p.add_argument("--dp-lr-scales", default="0.75,1", help="data-parallel peak lr, as multipliers of learner.lr, "
+                   "tried (best kept per horizon): 0.75 and 1 each won on some seeds at the full budget, by up to "
+                   "3.8 points (docs/benchmarks.md, stop 52)")
     p.add_argument("--corpus", help="data.corpus for every arm (default: the settings')")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--out", default="out/convergence", help="directory for convergence.json and convergence.png")
