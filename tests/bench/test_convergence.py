@@ -166,7 +166,7 @@ def test_seeds_run_the_study_once_per_seed_each_with_its_model_seed(tmp_path, mo
     assert main(["bench", "convergence", "--learners", "2", "--horizons", "1", "--seeds", "3,5",
                  "--set", "syncer.outer_lr=0.5", "--out", str(out)]) == 0
     assert sorted(seen) == sorted((arm, s, ("syncer.outer_lr=0.5", f"model.seed={s}"))
-                                  for s in (3, 5) for arm in ("dp@0.75", "dp@1.0", "lockstep", "adopt"))
+                                  for s in (3, 5) for arm in ("dp@0.75", "dp@1.0", "dp@1.25", "lockstep", "adopt"))
     result = json.loads((out / "convergence.json").read_text())
     assert result["seeds"] == [3, 5]
     by = {(r["arm"], r["seed"]): r for r in result["table"]}

@@ -82,9 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"the whole ladder: {LADDER})")
     p.add_argument("--ladder-at", default="max", help="M at which the whole ladder runs ('max' or a number); "
                    "other M run lockstep and the product default (adopt) only")
-    p.add_argument("--dp-lr-scales", default="0.75,1", help="data-parallel peak lr, as multipliers of learner.lr, "
-                   "tried (best kept per horizon): 0.75 and 1 each won on some seeds at the full budget, by up to "
-                   "3.8 points (docs/benchmarks.md, stop 52)")
+    p.add_argument("--dp-lr-scales", default="0.75,1,1.25", help="data-parallel peak lr, as multipliers of learner.lr, "
+                   "tried (best kept per horizon): 0.75 and 1 each won on some seeds at M = 2 by up to 3.8 points, "
+                   "1.25 beat 1 at M = 4 (docs/benchmarks.md, stop 52)")
     p.add_argument("--corpus", help="data.corpus for every arm (default: the settings')")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
     p.add_argument("--out", default="out/convergence", help="directory for convergence.json and convergence.png")
